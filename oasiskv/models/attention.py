@@ -1,0 +1,167 @@
+"""The attention path: query rows of several sequences against a per-sequence list of key slots.
+
+Everything a step needs to know about where keys live is an `AttentionBatch`, built once per
+forward and shared by all layers. Dense decode builds it from block tables; the decode node
+builds it from the blocks it chose to keep resident (a subset, possibly different per KV head),
+and the same `attend_slots` function runs both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .kv_cache import PagedKVCache
+
+# Position given to padding keys: larger than any query position, so causality masks them.
+_PAD_POSITION = 1 << 40
+
+
+@dataclass
+class AttentionBatch:
+    write_slots: torch.Tensor  # [tokens] where each new token's K/V goes
+    query_rows: torch.Tensor  # [B, Tq] row of the flat token batch (tokens = padding row)
+    query_positions: torch.Tensor  # [B, Tq]
+    key_slots: torch.Tensor  # [B, L] or [B, kv_heads, L] cache slot of each key
+    key_positions: torch.Tensor  # same shape as key_slots; padding = _PAD_POSITION
+    output_rows: torch.Tensor  # [tokens] index into the padded [B * Tq] outputs
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def is_single_row(self) -> bool:
+        return self.query_rows.shape[1] == 1
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """Boolean [B, 1 or kv_heads, Tq, L]: causal, and within `window` for sliding layers."""
+        if window not in self._masks:
+            keys = self.key_positions if self.key_positions.dim() == 3 else self.key_positions[:, None]
+            q = self.query_positions[:, None, :, None]
+            k = keys[:, :, None, :]
+            allowed = k <= q
+            if window is not None:
+                allowed &= (q - k) < window
+            # A padding query row may see nothing; give it one key so softmax stays finite.
+            empty = ~allowed.any(dim=-1, keepdim=True)
+            if bool(empty.any()):
+                allowed[..., :1] |= empty
+            self._masks[window] = allowed
+        return self._masks[window]
+
+    @classmethod
+    def from_key_lists(
+        cls,
+        query_positions: list[torch.Tensor],
+        key_slots: list[torch.Tensor],
+        key_positions: list[torch.Tensor],
+        write_slots: torch.Tensor,
+    ) -> "AttentionBatch":
+        """One entry per sequence: its new rows' positions, and the slots/positions of every key
+        it may attend to (including its new rows, whose K/V are written before attention).
+        Keys are either [L] (shared by all KV heads) or [kv_heads, L]."""
+        device = write_slots.device
+        num_seqs = len(query_positions)
+        lengths = [len(p) for p in query_positions]
+        max_q = max(lengths)
+        total = sum(lengths)
+        max_k = max(s.shape[-1] for s in key_slots)
+        head_shape = key_slots[0].shape[:-1]
+        rows = torch.full((num_seqs, max_q), total, dtype=torch.long)
+        qpos = torch.zeros((num_seqs, max_q), dtype=torch.long)
+        kslots = torch.zeros((num_seqs, *head_shape, max_k), dtype=torch.long)
+        kpos = torch.full((num_seqs, *head_shape, max_k), _PAD_POSITION, dtype=torch.long)
+        out_rows = torch.empty(total, dtype=torch.long)
+        start = 0
+        for i, (n, qp, ks, kp) in enumerate(zip(lengths, query_positions, key_slots, key_positions)):
+            rows[i, :n] = torch.arange(start, start + n)
+            qpos[i, :n] = qp
+            kslots[i, ..., : ks.shape[-1]] = ks
+            kpos[i, ..., : kp.shape[-1]] = kp
+            out_rows[start : start + n] = i * max_q + torch.arange(n)
+            start += n
+        return cls(
+            write_slots=write_slots,
+            query_rows=rows.to(device),
+            query_positions=qpos.to(device),
+            key_slots=kslots.to(device),
+            key_positions=kpos.to(device),
+            output_rows=out_rows.to(device),
+        )
+
+    @classmethod
+    def dense(
+        cls,
+        block_tables: list[list[int]],
+        num_cached: list[int],
+        num_new: list[int],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionBatch":
+        """Every sequence attends to all of its tokens: cached ones and the `num_new` it adds."""
+        query_positions, key_slots, key_positions, writes = [], [], [], []
+        for table, cached, new in zip(block_tables, num_cached, num_new):
+            context = cached + new
+            positions = torch.arange(context)
+            blocks = torch.as_tensor(table, dtype=torch.long)
+            if len(table) * block_size < context:
+                raise ValueError(f"block table of {len(table)} blocks cannot hold {context} tokens")
+            slots = blocks[positions // block_size] * block_size + positions % block_size
+            query_positions.append(positions[cached:])
+            key_slots.append(slots)
+            key_positions.append(positions)
+            writes.append(slots[cached:])
+        write_slots = torch.cat(writes).to(device)
+        return cls.from_key_lists(query_positions, key_slots, key_positions, write_slots)
+
+
+def attend_slots(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+    window: int | None,
+    scale: float,
+) -> torch.Tensor:
+    """q: [tokens, heads, d] -> [tokens, heads, d], attending to batch.key_slots of the cache."""
+    num_seqs, max_q = batch.query_rows.shape
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[0]
+    if batch.is_single_row and q.shape[0] == num_seqs:
+        queries = q[:, None]  # decode: one row per sequence, already in order
+    else:
+        queries = F.pad(q, (0, 0, 0, 0, 0, 1))[batch.query_rows]
+    queries = queries.transpose(1, 2)  # [B, heads, Tq, d]
+    slots = batch.key_slots
+    if slots.dim() == 2:  # shared by all KV heads: one gather per tensor
+        flat = slots.reshape(-1)
+        keys = k_cache[:, flat].view(kv_heads, num_seqs, -1, head_dim).transpose(0, 1)
+        values = v_cache[:, flat].view(kv_heads, num_seqs, -1, head_dim).transpose(0, 1)
+    else:  # [B, kv_heads, L]: each KV head reads its own slots
+        head_index = torch.arange(kv_heads, device=slots.device)[None, :, None]
+        keys, values = k_cache[head_index, slots], v_cache[head_index, slots]
+    mask = batch.mask(window)
+    if mask.shape[1] not in (1, heads):
+        mask = mask.repeat_interleave(heads // kv_heads, dim=1)
+    out = F.scaled_dot_product_attention(
+        queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, head_dim)
+    return out if batch.is_single_row and q.shape[0] == num_seqs else out[batch.output_rows]
+
+
+class PagedAttention:
+    """The dense backend: write the step's K/V into the paged cache, attend to every key."""
+
+    def __init__(self, cache: PagedKVCache, sliding_window: tuple[int | None, ...], scale: float):
+        self.cache = cache
+        self.sliding_window = sliding_window
+        self.scale = scale
+        self.batch: AttentionBatch | None = None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        batch = self.batch
+        self.cache.write(layer, batch.write_slots, k, v)
+        return attend_slots(
+            q, self.cache.k[layer], self.cache.v[layer], batch, self.sliding_window[layer], self.scale
+        )

@@ -1,0 +1,3 @@
+from .llm import LLM, EngineConfig, RequestOutput
+
+__all__ = ["LLM", "EngineConfig", "RequestOutput"]

@@ -1,0 +1,230 @@
+"""`LLM`: the single-process continuous-batching engine (model + paged KV cache + scheduler)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Literal
+
+import torch
+from pydantic import BaseModel, Field, field_validator
+from tqdm.auto import tqdm
+
+from ..attention import AttentionBatch, PagedAttention
+from ..kv_cache import KVCacheSpec, PagedKVCache
+from ..sampling import SamplingParams, make_generator, sample
+from .scheduler import RequestTooLarge, ScheduledBatch, Scheduler
+from .sequence import Sequence
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EmptyPromptError(ValueError):
+    """A prompt with no tokens: there is nothing to condition on."""
+
+
+class EngineConfig(BaseModel):
+    model: str = Field("smollm2-135m", description="registry name, HF directory or .gguf file")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: str = "cpu"
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_gb: float = Field(1.0, gt=0, description="memory for the paged KV cache")
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(1024, ge=16, description="prefill chunk budget per step")
+    max_model_len: int | None = Field(None, ge=1, description="defaults to the model's context")
+    cache_dir: str | None = None
+
+    @field_validator("device")
+    @classmethod
+    def _device_exists(cls, value: str) -> str:
+        if value.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {value!r} requested but CUDA is not available")
+        return value
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            # bf16 halves memory and is fast on GPUs; fp32 is the faster CPU path for small batches.
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return _DTYPES[self.dtype]
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    finished: bool
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **overrides):
+        from ..pull import resolve_model  # noqa: PLC0415 (keeps `import oasiskv.models` light)
+        from ..loader import load_model_dir
+        from ..tokenizer import load_tokenizer
+
+        self.config = EngineConfig(**({"model": model} if model else {}), **overrides)
+        dtype = self.config.torch_dtype()
+        model_dir = resolve_model(self.config.model, cache_dir=self.config.cache_dir)
+        self.model_dir = Path(model_dir)
+        self.model = load_model_dir(model_dir, dtype=dtype, device=self.config.device)
+        self.tokenizer = load_tokenizer(model_dir)
+        self._setup(dtype)
+
+    @classmethod
+    def from_model(cls, model, tokenizer, **overrides) -> "LLM":
+        """Wrap an already built model (tests, and the nodes that load weights themselves)."""
+        self = cls.__new__(cls)
+        self.config = EngineConfig(**overrides)
+        self.model_dir = None
+        self.model = model
+        self.tokenizer = tokenizer
+        self._setup(next(model.parameters()).dtype)
+        return self
+
+    def _setup(self, dtype: torch.dtype) -> None:
+        mc = self.model.config
+        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.config.block_size, dtype)
+        num_blocks = spec.blocks_for_bytes(int(self.config.kv_cache_gb * 2**30))
+        self.cache = PagedKVCache(spec, num_blocks, self.config.device)
+        self.backend = PagedAttention(self.cache, mc.sliding_window, mc.softmax_scale)
+        self.scheduler = Scheduler(
+            self.cache.allocator, spec.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens
+        )
+        self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.eos_token_ids = set(mc.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
+        self._sequences: dict[str, Sequence] = {}
+
+    # -- requests ------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.model.config.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        if not ids:
+            raise EmptyPromptError("the prompt is empty: give at least one token")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str = "") -> str:
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestTooLarge(
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens"
+            )
+        seq = Sequence(ids, params, request_id=request_id)
+        if not params.greedy:
+            seq.generator = make_generator(params.seed)
+        self.scheduler.add(seq)
+        self._sequences[seq.request_id] = seq
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self._sequences.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- one step ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return the outputs of the sequences that produced a token."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            if self.scheduler.has_unfinished:
+                raise RuntimeError("scheduler is stuck: waiting requests cannot get KV blocks")
+            return []
+        samplers = [seq for seq, n in zip(batch.sequences, batch.num_new) if batch.samples(seq, n)]
+        logits_rows = self._run_model(batch)
+        self.scheduler.after_step(batch)
+        if not samplers:
+            return []
+        new_tokens = sample(logits_rows, [s.params for s in samplers], [s.generator for s in samplers])
+        return [self._append(seq, token) for seq, token in zip(samplers, new_tokens)]
+
+    def _run_model(self, batch: ScheduledBatch):
+        ids, positions, sample_rows = [], [], []
+        row = 0
+        for seq, count in zip(batch.sequences, batch.num_new):
+            all_ids = seq.all_ids
+            ids.extend(all_ids[seq.num_cached : seq.num_cached + count])
+            positions.extend(range(seq.num_cached, seq.num_cached + count))
+            row += count
+            if batch.samples(seq, count):
+                sample_rows.append(row - 1)
+        device = self.config.device
+        self.backend.batch = AttentionBatch.dense(
+            [s.block_table for s in batch.sequences],
+            [s.num_cached for s in batch.sequences],
+            batch.num_new,
+            self.cache.block_size,
+            device,
+        )
+        hidden = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), self.backend)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)]) if sample_rows else None
+        return logits
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.output_ids.append(token)
+        params = seq.params
+        reason = None
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
+            reason = "stop"
+        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        visible = seq.output_ids[:-1] if reason == "stop" and token not in params.stop_token_ids else seq.output_ids
+        seq.text = self.tokenizer.decode(visible)
+        if params.stop:
+            cut = min((i for i in (seq.text.find(s) for s in params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                seq.text = seq.text[:cut]
+                reason = "stop"
+        if reason:
+            self.scheduler.finish(seq, reason)
+        return RequestOutput(
+            seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.text, reason, reason is not None
+        )
+
+    # -- batch API -----------------------------------------------------------------------
+    def generate(
+        self,
+        prompts: str | list[int] | Iterable[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
+        order = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
+        started = time.perf_counter()
+        while self.has_unfinished:
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+                    self._sequences.pop(out.request_id, None)
+                    bar.update(1)
+        bar.close()
+        self.last_generate_seconds = time.perf_counter() - started
+        return [final[rid] for rid in order]
+
+    def chat(self, conversations, params: SamplingParams | None = None, **kwargs) -> list[RequestOutput]:
+        """conversations: one list of {role, content} messages, or a list of them."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, params, **kwargs)
