@@ -17,6 +17,9 @@ from .kv_cache import PagedKVCache
 
 # Position given to padding keys: larger than any query position, so causality masks them.
 _PAD_POSITION = 1 << 40
+# Up to this many query rows per sequence (decode, speculative verification) attention runs in
+# fp32 with explicit matmuls; longer (prefill) chunks use SDPA.
+_SMALL_QUERY_ROWS = 16
 
 
 @dataclass
@@ -141,13 +144,33 @@ def attend_slots(
         head_index = torch.arange(kv_heads, device=slots.device)[None, :, None]
         keys, values = k_cache[head_index, slots], v_cache[head_index, slots]
     mask = batch.mask(window)
-    if mask.shape[1] not in (1, heads):
-        mask = mask.repeat_interleave(heads // kv_heads, dim=1)
-    out = F.scaled_dot_product_attention(
-        queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    if max_q <= _SMALL_QUERY_ROWS:
+        out = _attend_few_rows(queries, keys, values, mask, scale).to(q.dtype)
+    else:
+        if mask.shape[1] not in (1, heads):
+            mask = mask.repeat_interleave(heads // kv_heads, dim=1)
+        out = F.scaled_dot_product_attention(
+            queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+        )
     out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, head_dim)
     return out if batch.is_single_row and q.shape[0] == num_seqs else out[batch.output_rows]
+
+
+def _attend_few_rows(queries, keys, values, mask, scale):
+    """Decode and verification (a few rows per sequence): explicit fp32 GQA attention.
+
+    The query heads of a KV group are stacked as rows against their shared keys, so K and V are
+    read once per group. On CPUs this is ~4x faster than bf16 SDPA for these shapes, and fp32
+    softmax keeps bf16 runs closer to the reference.
+    """
+    num_seqs, heads, rows, head_dim = queries.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    q = queries.float().reshape(num_seqs, kv_heads, group * rows, head_dim)
+    scores = torch.matmul(q, keys.float().transpose(-1, -2)) * scale
+    scores = scores.view(num_seqs, kv_heads, group, rows, -1).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores.view(num_seqs, kv_heads, group * rows, -1), dim=-1)
+    return torch.matmul(probs, values.float()).view(num_seqs, heads, rows, head_dim)
 
 
 class PagedAttention:

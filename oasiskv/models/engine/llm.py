@@ -44,8 +44,11 @@ class EngineConfig(BaseModel):
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            # bf16 halves memory and is fast on GPUs; fp32 is the faster CPU path for small batches.
-            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+            # Decode is bound by reading weights: bf16 halves that, and CPUs with native bf16
+            # matmul (AVX512-BF16 / AMX) run batched bf16 GEMMs 2-4x faster than fp32.
+            if self.device.startswith("cuda") or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                return torch.bfloat16
+            return torch.float32
         return _DTYPES[self.dtype]
 
 
