@@ -198,6 +198,20 @@ class LLM:
             seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.text, reason, reason is not None
         )
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt: str | list[int]) -> torch.Tensor:
+        """Log-probabilities [tokens, vocab] that the model gives after each prompt position
+        (row i predicts token i + 1), computed through the paged cache and then freed."""
+        ids = self.encode(prompt)
+        blocks = self.cache.allocator.allocate(-(-len(ids) // self.cache.block_size))
+        try:
+            self.backend.batch = AttentionBatch.dense([blocks], [0], [len(ids)], self.cache.block_size, self.config.device)
+            device = self.config.device
+            hidden = self.model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), self.backend)
+            return torch.log_softmax(self.model.compute_logits(hidden), dim=-1)
+        finally:
+            self.cache.allocator.free(blocks)
+
     # -- batch API -----------------------------------------------------------------------
     def generate(
         self,

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Install (with test extras) and run the default test suite. Extra arguments go to pytest,
+# e.g. `bash scripts/test.sh -m slow` for the slow suite.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install.sh --test
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,40 @@
+"""Fixtures shared by every suite: real models pulled once per machine into the user cache."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def stdlib_source(name: str = "argparse.py") -> str:
+    """Real text nobody here wrote: a Python standard-library source file."""
+    return (Path(sysconfig.get_paths()["stdlib"]) / name).read_text()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from oasiskv.models.pull import resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_dir):
+    """The default model in fp32 on the CPU, with a small KV cache (tests share it; each test
+    must leave no request behind)."""
+    from oasiskv.models.engine import LLM
+
+    llm = LLM(str(smollm2_dir), dtype="float32", kv_cache_gb=0.25)
+    yield llm
+    assert not llm.has_unfinished
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_threads():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,109 @@
+"""The continuous-batching engine on a real model: batching must not change results, and bad
+requests fail with errors that say what is wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from oasiskv.models.engine.llm import EmptyPromptError
+from oasiskv.models.engine.scheduler import RequestTooLarge
+from oasiskv.models.sampling import SamplingParams
+
+from ..conftest import stdlib_source
+
+
+def _prompts(llm, count: int) -> list[list[int]]:
+    ids = llm.encode(stdlib_source("typing.py"))
+    # Different lengths, crossing block boundaries in different places.
+    return [ids[i * 211 : i * 211 + 20 + 13 * i] for i in range(count)]
+
+
+def test_batched_decode_equals_each_sequence_alone(smollm2_llm):
+    prompts = _prompts(smollm2_llm, 8)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    batched = smollm2_llm.generate(prompts, params)
+    alone = [smollm2_llm.generate([p], params)[0] for p in prompts]
+    assert len({len(p) for p in prompts}) == 8
+    for b, a in zip(batched, alone):
+        assert b.token_ids == a.token_ids
+        assert len(b.token_ids) == 24
+
+
+def test_chunked_prefill_equals_single_chunk(smollm2_llm, smollm2_dir):
+    from oasiskv.models.engine import LLM
+
+    chunked = LLM.from_model(smollm2_llm.model, smollm2_llm.tokenizer, max_num_batched_tokens=64, kv_cache_gb=0.1)
+    prompt = smollm2_llm.encode(stdlib_source("argparse.py"))[:300]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    assert chunked.generate([prompt], params)[0].token_ids == smollm2_llm.generate([prompt], params)[0].token_ids
+
+
+def test_preemption_under_a_tiny_cache_keeps_results(smollm2_llm):
+    from oasiskv.models.engine import LLM
+
+    # 6 blocks of 16 tokens: three 40-token requests cannot all grow at once.
+    tiny = LLM.from_model(smollm2_llm.model, smollm2_llm.tokenizer, kv_cache_gb=6 * smollm2_llm.cache.spec.bytes_per_block / 2**30)
+    assert tiny.cache.num_blocks == 6
+    prompts = _prompts(smollm2_llm, 3)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    expected = [smollm2_llm.generate([p], params)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in tiny.generate(prompts, params)] == expected
+
+
+def test_stop_strings_and_max_tokens(smollm2_llm):
+    out = smollm2_llm.generate("def add(a, b):", SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 40
+    # Stop on a string that the greedy continuation is known to contain.
+    stop = out.text[5:9]
+    assert stop.strip()
+    cut = smollm2_llm.generate("def add(a, b):", SamplingParams(max_tokens=40, stop=[stop]))[0]
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text and out.text.startswith(cut.text)
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(smollm2_llm):
+    hot = SamplingParams(max_tokens=20, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
+    first = smollm2_llm.generate("Once upon a time", hot)[0].token_ids
+    again = smollm2_llm.generate("Once upon a time", hot)[0].token_ids
+    other = smollm2_llm.generate(
+        "Once upon a time", SamplingParams(max_tokens=20, temperature=1.0, seed=8, ignore_eos=True)
+    )[0].token_ids
+    assert first == again
+    assert first != other
+
+
+def test_empty_prompt_is_refused(smollm2_llm):
+    with pytest.raises(EmptyPromptError, match="empty"):
+        smollm2_llm.generate("")
+    with pytest.raises(EmptyPromptError):
+        smollm2_llm.generate([[]])
+
+
+def test_prompt_longer_than_context_is_refused(smollm2_llm):
+    too_long = [100] * (smollm2_llm.max_model_len + 1)
+    with pytest.raises(RequestTooLarge, match="context"):
+        smollm2_llm.generate([too_long], SamplingParams(max_tokens=1))
+    assert not smollm2_llm.has_unfinished
+
+
+def test_out_of_vocabulary_token_ids_are_refused(smollm2_llm):
+    with pytest.raises(ValueError, match="out of range"):
+        smollm2_llm.generate([[1, 2, smollm2_llm.model.config.vocab_size]])
+
+
+def test_request_bigger_than_the_cache_is_refused(smollm2_llm):
+    from oasiskv.models.engine import LLM
+
+    small = LLM.from_model(smollm2_llm.model, smollm2_llm.tokenizer, kv_cache_gb=4 * smollm2_llm.cache.spec.bytes_per_block / 2**30)
+    with pytest.raises(RequestTooLarge, match="KV blocks"):
+        small.generate([[5] * 100], SamplingParams(max_tokens=1))
+
+
+def test_abort_frees_blocks(smollm2_llm):
+    free_before = smollm2_llm.cache.allocator.num_free
+    rid = smollm2_llm.add_request("hello there", SamplingParams(max_tokens=50))
+    smollm2_llm.step()
+    assert smollm2_llm.cache.allocator.num_free < free_before
+    smollm2_llm.abort(rid)
+    assert smollm2_llm.cache.allocator.num_free == free_before
+    assert not smollm2_llm.has_unfinished

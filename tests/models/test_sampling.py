@@ -1,0 +1,58 @@
+"""Sampler arithmetic, checked against direct computation (no model needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasiskv.models.sampling import SamplingParams, make_generator, sample, target_probs
+
+
+def test_top_k_keeps_only_the_k_largest():
+    logits = torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0])
+    probs = target_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert torch.equal(probs > 0, torch.tensor([False, True, False, True, False]))
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs_in = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    probs = target_probs(probs_in.log(), SamplingParams(temperature=1.0, top_p=0.8))
+    # 0.5 < 0.8, 0.5 + 0.3 reaches 0.8: two tokens survive, renormalized.
+    assert torch.allclose(probs, torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([1.0, 2.0])
+    cold = target_probs(logits, SamplingParams(temperature=0.5))
+    warm = target_probs(logits, SamplingParams(temperature=2.0))
+    assert cold[1] > warm[1] > 0.5
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    params = SamplingParams(temperature=1.0)
+    gen = make_generator(123)
+    draws = [sample(logits, [params], [gen])[0] for _ in range(3000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=3).float() / len(draws)
+    assert torch.allclose(freq, torch.softmax(logits[0], -1), atol=0.03)
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 0.9, 0.3], [2.0, 1.0, 0.0]])
+    assert sample(logits, [SamplingParams()] * 2, [None, None]) == [1, 0]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"stop": [""]}, "stop"),
+    ],
+)
+def test_bad_parameters_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
