@@ -22,6 +22,22 @@ _PAD_POSITION = 1 << 40
 _SMALL_QUERY_ROWS = 16
 
 
+def position_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """query_positions [B, Tq]; key_positions [B, L] or [B, kv_heads, L] -> bool
+    [B, 1|kv_heads, Tq, L]: causal, and within `window` for sliding layers."""
+    keys = key_positions if key_positions.dim() == 3 else key_positions[:, None]
+    q = query_positions[:, None, :, None]
+    k = keys[:, :, None, :]
+    allowed = k <= q
+    if window is not None:
+        allowed &= (q - k) < window
+    # A padding query row may see nothing; give it one key so softmax stays finite.
+    empty = ~allowed.any(dim=-1, keepdim=True)
+    if bool(empty.any()):
+        allowed[..., :1] |= empty
+    return allowed
+
+
 @dataclass
 class AttentionBatch:
     write_slots: torch.Tensor  # [tokens] where each new token's K/V goes
@@ -39,17 +55,7 @@ class AttentionBatch:
     def mask(self, window: int | None) -> torch.Tensor:
         """Boolean [B, 1 or kv_heads, Tq, L]: causal, and within `window` for sliding layers."""
         if window not in self._masks:
-            keys = self.key_positions if self.key_positions.dim() == 3 else self.key_positions[:, None]
-            q = self.query_positions[:, None, :, None]
-            k = keys[:, :, None, :]
-            allowed = k <= q
-            if window is not None:
-                allowed &= (q - k) < window
-            # A padding query row may see nothing; give it one key so softmax stays finite.
-            empty = ~allowed.any(dim=-1, keepdim=True)
-            if bool(empty.any()):
-                allowed[..., :1] |= empty
-            self._masks[window] = allowed
+            self._masks[window] = position_mask(self.query_positions, self.key_positions, window)
         return self._masks[window]
 
     @classmethod
@@ -127,14 +133,10 @@ def attend_slots(
     scale: float,
 ) -> torch.Tensor:
     """q: [tokens, heads, d] -> [tokens, heads, d], attending to batch.key_slots of the cache."""
-    num_seqs, max_q = batch.query_rows.shape
-    heads, head_dim = q.shape[1], q.shape[2]
+    num_seqs = batch.query_rows.shape[0]
+    head_dim = q.shape[2]
     kv_heads = k_cache.shape[0]
-    if batch.is_single_row and q.shape[0] == num_seqs:
-        queries = q[:, None]  # decode: one row per sequence, already in order
-    else:
-        queries = F.pad(q, (0, 0, 0, 0, 0, 1))[batch.query_rows]
-    queries = queries.transpose(1, 2)  # [B, heads, Tq, d]
+    queries = batch_queries(q, batch)
     slots = batch.key_slots
     if slots.dim() == 2:  # shared by all KV heads: one gather per tensor
         flat = slots.reshape(-1)
@@ -143,17 +145,36 @@ def attend_slots(
     else:  # [B, kv_heads, L]: each KV head reads its own slots
         head_index = torch.arange(kv_heads, device=slots.device)[None, :, None]
         keys, values = k_cache[head_index, slots], v_cache[head_index, slots]
-    mask = batch.mask(window)
-    if max_q <= _SMALL_QUERY_ROWS:
-        out = _attend_few_rows(queries, keys, values, mask, scale).to(q.dtype)
-    else:
-        if mask.shape[1] not in (1, heads):
-            mask = mask.repeat_interleave(heads // kv_heads, dim=1)
-        out = F.scaled_dot_product_attention(
-            queries, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale, enable_gqa=True
-        )
+    out = attend_gathered(queries, keys, values, batch.mask(window), scale).to(q.dtype)
+    return unbatch_outputs(out, batch)
+
+
+def batch_queries(q: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """Flat [tokens, heads, d] query rows -> padded [B, heads, Tq, d]."""
+    if batch.is_single_row and q.shape[0] == batch.query_rows.shape[0]:
+        return q[:, None].transpose(1, 2)  # decode: one row per sequence, already in order
+    return F.pad(q, (0, 0, 0, 0, 0, 1))[batch.query_rows].transpose(1, 2)
+
+
+def unbatch_outputs(out: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """Padded [B, heads, Tq, d] outputs -> flat [tokens, heads, d]."""
+    num_seqs, heads, max_q, head_dim = out.shape
     out = out.transpose(1, 2).reshape(num_seqs * max_q, heads, head_dim)
-    return out if batch.is_single_row and q.shape[0] == num_seqs else out[batch.output_rows]
+    return out if batch.is_single_row and out.shape[0] == num_seqs else out[batch.output_rows]
+
+
+def attend_gathered(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """queries [B, heads, Tq, d]; keys/values [B, kv_heads, L, d]; mask [B, 1|kv_heads, Tq, L]."""
+    heads, kv_heads = queries.shape[1], keys.shape[1]
+    if queries.shape[2] <= _SMALL_QUERY_ROWS:
+        return _attend_few_rows(queries, keys, values, mask, scale)
+    if mask.shape[1] not in (1, heads):
+        mask = mask.repeat_interleave(heads // kv_heads, dim=1)
+    return F.scaled_dot_product_attention(
+        queries, keys.to(queries.dtype), values.to(queries.dtype), attn_mask=mask, scale=scale, enable_gqa=True
+    )
 
 
 def _attend_few_rows(queries, keys, values, mask, scale):
