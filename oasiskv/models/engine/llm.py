@@ -16,6 +16,7 @@ from ..kv_cache import KVCacheSpec, PagedKVCache
 from ..sampling import SamplingParams, make_generator, sample
 from .scheduler import RequestTooLarge, ScheduledBatch, Scheduler
 from .sequence import Sequence
+from .stopping import finish_reason, visible_text
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -179,19 +180,9 @@ class LLM:
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.output_ids.append(token)
-        params = seq.params
-        reason = None
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-            reason = "stop"
-        elif len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
-        visible = seq.output_ids[:-1] if reason == "stop" and token not in params.stop_token_ids else seq.output_ids
-        seq.text = self.tokenizer.decode(visible)
-        if params.stop:
-            cut = min((i for i in (seq.text.find(s) for s in params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                seq.text = seq.text[:cut]
-                reason = "stop"
+        reason = finish_reason(token, len(seq.output_ids), seq.params, self.eos_token_ids,
+                               seq.num_tokens >= self.max_model_len)
+        seq.text, reason = visible_text(self.tokenizer, seq.output_ids, seq.params, reason, self.eos_token_ids)
         if reason:
             self.scheduler.finish(seq, reason)
         return RequestOutput(

@@ -1,0 +1,222 @@
+"""Sparse attention over each request's working set, with look-ahead selection inside the layer.
+
+`SparseAttention` is the decode node's `AttentionBackend`. For every layer of a verification
+pass (1 + k rows per request) it:
+  1. waits for that layer's prefetch from the previous step (or skips missing blocks);
+  2. [sparse-current] scores blocks with the current query and fetches the top-K now;
+  3. writes the new rows' K/V into the request's window ring;
+  4. attends over the resident rows (sinks, window, selected) with the shared attention core;
+  5. [lookahead] scores blocks with the draft rows' queries and starts fetching the next step's
+     top-K for this layer at once, so the transfer overlaps the rest of the pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..models.attention import AttentionBatch, attend_gathered, batch_queries, position_mask, unbatch_outputs
+from .counters import DecodeCounters
+from .lookahead import plan_replacements, recall, score_blocks, top_blocks
+from .working_set import _PAD_POSITION, EMPTY, DevicePool, WorkingSet
+
+
+@dataclass
+class StepRequest:
+    """What the backend needs of one request for one step."""
+
+    ws: WorkingSet
+    summaries: torch.Tensor  # [layers, kv_heads, blocks, 2, d] of complete blocks in the store
+    positions: torch.Tensor  # [rows] positions of this step's rows (row 0: last accepted token)
+    num_drafts: int
+
+
+class SparseAttention:
+    def __init__(self, pool: DevicePool, client, mode: str, sliding_window, scale: float, budget_blocks: int,
+                 max_replace: int, miss_policy: str, counters: DecodeCounters, fetch_timeout_s: float):
+        self.pool = pool
+        self.client = client
+        self.mode = mode
+        self.sliding_window = sliding_window
+        self.scale = scale
+        self.budget_blocks = budget_blocks
+        self.max_replace = max_replace
+        self.miss_policy = miss_policy
+        self.counters = counters
+        self.fetch_timeout_s = fetch_timeout_s
+        self.requests: list[StepRequest] = []
+        self.batch: AttentionBatch | None = None
+        self.step_index = 0
+
+    # -- per step ------------------------------------------------------------------------
+    def prepare(self, requests: list[StepRequest], step_index: int) -> None:
+        self.requests = requests
+        self.step_index = step_index
+        bs = self.pool.layout.block_size
+        for req in requests:
+            ws = req.ws
+            tail = int(req.positions[0]) // bs
+            window = ws.window_blocks(tail)
+            for index in range(ws.plan.sinks, ws.plan.sinks + ws.plan.ring):
+                block = int(ws.blocks[0, 0, index])
+                # Out of the window (and not the spill block): it must not be seen twice.
+                if block != EMPTY and not window.start <= block <= tail + 1:
+                    self._retire(ws, index, block)
+                    ws.set_everywhere(index, EMPTY)
+            for block in sorted({int(p) // bs for p in req.positions}):
+                ws.set_everywhere(ws.ring_index(block), block)
+        # Query layout only: keys are gathered per layer from each working set.
+        dummy = [torch.zeros(1, dtype=torch.long) for _ in requests]
+        self.batch = AttentionBatch.from_key_lists([r.positions for r in requests], dummy, dummy, torch.empty(0))
+        rows = [r.ws.rows for r in requests]
+        width = max(len(r) for r in rows)
+        self._rows = torch.stack([torch.cat((r, r.new_zeros(width - len(r)))) for r in rows])
+        self._write_units, self._write_offsets = self._write_targets(requests)
+
+    def _retire(self, ws: WorkingSet, ring_index: int, block: int) -> None:
+        """A block leaving the window moves into a budget row (a local copy, no transfer), so
+        the step that no longer sees it in the window still has it until selection drops it."""
+        if ws.plan.budget == 0:
+            return
+        budget = ws.budget_slice
+        recency = ws.last_selected[:, :, budget].clone()
+        recency[ws.blocks[:, :, budget] == EMPTY] = -1
+        recency[ws.in_flight[:, :, budget]] = torch.iinfo(torch.long).max  # never overwrite a landing fetch
+        target = budget.start + recency.argmin(dim=-1)  # [layers, kv_heads]
+        layers = torch.arange(ws.num_layers)[:, None].expand_as(target)
+        heads = torch.arange(ws.num_kv_heads)[None, :].expand_as(target)
+        source_units = self.pool.unit_ids(ws.rows[ring_index], layers, heads)
+        target_units = self.pool.unit_ids(ws.rows[target], layers, heads)
+        self.pool.units[target_units.reshape(-1)] = self.pool.units[source_units.reshape(-1)]
+        ws.blocks[layers, heads, target] = block
+        ws.last_selected[layers, heads, target] = self.step_index
+
+    def _write_targets(self, requests):
+        """Per new token: the ring row (as a pool row) and offset where its K/V go."""
+        bs = self.pool.layout.block_size
+        rows, offsets = [], []
+        for req in requests:
+            for p in req.positions.tolist():
+                rows.append(int(req.ws.rows[req.ws.ring_index(p // bs)]))
+                offsets.append(p % bs)
+        return torch.tensor(rows), torch.tensor(offsets)
+
+    # -- the backend call ----------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        for req in self.requests:
+            self._await_layer(req.ws, layer)
+        row_starts = self._row_starts()
+        current = q[row_starts]  # [B, heads, d] the current step's query per request
+        if self.mode != "dense":
+            self._track_recall(layer, current)
+        if self.mode == "sparse-current":
+            self._select_and_fetch(layer, [current[i : i + 1] for i in range(len(self.requests))], wait=True)
+        self._write_new_kv(layer, k, v)
+        out = self._attend_resident(layer, q)
+        if self.mode == "lookahead":
+            queries = []
+            for i, req in enumerate(self.requests):
+                start = int(row_starts[i])
+                drafts = q[start + 1 : start + 1 + req.num_drafts]
+                queries.append(drafts if req.num_drafts else q[start : start + 1])
+            self._select_and_fetch(layer, queries, wait=False)
+        return out
+
+    def _row_starts(self) -> torch.Tensor:
+        counts = torch.tensor([len(r.positions) for r in self.requests])
+        return torch.cumsum(counts, 0) - counts
+
+    def _write_new_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        heads = torch.arange(self.pool.layout.num_kv_heads)
+        units = self.pool.unit_ids(self._write_units[:, None], layer, heads[None, :])  # [tokens, kv_heads]
+        offsets = self._write_offsets[:, None].expand_as(units)
+        self.pool.units[units, 0, offsets] = k.to(self.pool.units.dtype)
+        self.pool.units[units, 1, offsets] = v.to(self.pool.units.dtype)
+
+    def _attend_resident(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        layout = self.pool.layout
+        heads = torch.arange(layout.num_kv_heads)
+        units = self.pool.unit_ids(self._rows[:, None, :], layer, heads[None, :, None])  # [B, kv_heads, R]
+        gathered = self.pool.units[units]  # [B, kv_heads, R, 2, bs, d]
+        num_seqs, kv_heads = units.shape[:2]
+        keys = gathered[:, :, :, 0].reshape(num_seqs, kv_heads, -1, layout.head_dim)
+        values = gathered[:, :, :, 1].reshape(num_seqs, kv_heads, -1, layout.head_dim)
+        width = keys.shape[2]
+        positions = torch.full((num_seqs, kv_heads, width), _PAD_POSITION, dtype=torch.long)
+        for i, req in enumerate(self.requests):
+            own = req.ws.key_positions(layer)
+            positions[i, :, : own.shape[1]] = own
+        mask = position_mask(self.batch.query_positions, positions, self.sliding_window[layer])
+        out = attend_gathered(batch_queries(q, self.batch), keys, values, mask, self.scale)
+        return unbatch_outputs(out.to(q.dtype), self.batch)
+
+    # -- selection and transfers ---------------------------------------------------------
+    def _candidates(self, req: StepRequest) -> torch.Tensor:
+        """Complete blocks that are neither sinks nor in the window."""
+        num_blocks = req.summaries.shape[2]
+        tail = int(req.positions[0]) // self.pool.layout.block_size
+        window_start = req.ws.window_blocks(tail).start
+        candidates = torch.zeros(num_blocks, dtype=torch.bool)
+        candidates[req.ws.plan.sinks : min(window_start, num_blocks)] = True
+        return candidates
+
+    def _select_and_fetch(self, layer: int, queries: list[torch.Tensor], wait: bool) -> None:
+        for req, query in zip(self.requests, queries):
+            if req.ws.plan.budget == 0:
+                continue
+            scores = score_blocks(query, req.summaries[layer], self._candidates(req))
+            wanted = top_blocks(scores, min(self.budget_blocks, req.ws.plan.budget))
+            cap = None if wait else self.max_replace
+            plan = plan_replacements(req.ws, layer, wanted, self.step_index, cap)
+            if len(plan) == 0:
+                continue
+            self._fetch(req.ws, layer, plan)
+            if wait:
+                self._await_layer(req.ws, layer, on_demand=True)
+
+    def _fetch(self, ws: WorkingSet, layer: int, plan) -> None:
+        rows = ws.rows[torch.tensor(plan.row_indices)]
+        heads = torch.tensor(plan.heads)
+        slots = self.pool.unit_ids(rows, layer, heads)
+        handle = self.client.read_blocks(ws.request_id, layer, heads.numpy(), plan.blocks, self.pool.tensor, slots.numpy())
+        ws.in_flight[layer, heads, torch.tensor(plan.row_indices)] = True
+        previous = ws.pending[layer]
+        if previous is not None:  # at most one transfer per layer in flight: finish the older one
+            previous.wait(self.fetch_timeout_s)
+        ws.pending[layer] = handle
+        self.counters.blocks_fetched += len(plan)
+        self.counters.bytes_fetched += len(plan) * self.pool.layout.unit_bytes
+
+    def _await_layer(self, ws: WorkingSet, layer: int, on_demand: bool = False) -> None:
+        handle = ws.pending[layer]
+        if handle is None:
+            return
+        if handle.done():
+            if not on_demand:
+                self.counters.prefetch_hits += 1
+        elif self.miss_policy == "skip" and not on_demand:
+            self.counters.prefetch_misses += 1
+            self.counters.prefetch_skips += 1
+            return  # in-flight rows stay masked out for this step
+        else:
+            if not on_demand:
+                self.counters.prefetch_misses += 1
+            started = time.perf_counter()
+            handle.wait(self.fetch_timeout_s)
+            self.counters.fetch_wait_s += time.perf_counter() - started
+            self.counters.prefetch_waits += 1
+        ws.pending[layer] = None
+        ws.in_flight[layer] = False
+
+    def _track_recall(self, layer: int, current: torch.Tensor) -> None:
+        """How many of the current query's top-K blocks are resident (were predicted)."""
+        for i, req in enumerate(self.requests):
+            if req.ws.plan.budget == 0:
+                continue
+            scores = score_blocks(current[i : i + 1], req.summaries[layer], self._candidates(req))
+            actual = top_blocks(scores, min(self.budget_blocks, req.ws.plan.budget))
+            if actual.numel():
+                resident = req.ws.blocks[layer, :, req.ws.budget_slice]
+                self.counters.add_recall(recall(resident, actual))

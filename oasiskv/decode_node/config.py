@@ -1,0 +1,41 @@
+"""Decode-node configuration: one pydantic model, validated before anything is allocated."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+Mode = Literal["dense", "sparse-current", "lookahead"]
+
+
+class DecodeConfig(BaseModel):
+    mode: Mode = "lookahead"
+    kv_pool_gb: float = Field(1.0, gt=0, description="device KV pool (HBM on a GPU, RAM here)")
+    budget_tokens: int = Field(2048, ge=16, description="selected KV per layer and KV head, in tokens")
+    sink_blocks: int = Field(1, ge=0, description="first blocks, always resident")
+    window_blocks: int = Field(4, ge=1, description="most recent blocks, always resident (local window)")
+    num_draft_tokens: int = Field(3, ge=0, le=15, description="k: drafts verified per step (0 = plain decoding)")
+    drafter: str = Field("ngram", description="'ngram' (prompt lookup) or a draft model (registry name / path)")
+    max_replace_fraction: float = Field(0.05, gt=0, le=1, description="budget share one step may replace")
+    miss_policy: Literal["wait", "skip"] = "wait"
+    max_num_seqs: int = Field(32, ge=1)
+    block_size: int = Field(16, ge=1)
+    device: str = "cpu"
+    fetch_timeout_s: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "DecodeConfig":
+        if self.budget_tokens % self.block_size:
+            raise ValueError(f"budget_tokens ({self.budget_tokens}) must be a multiple of block_size ({self.block_size})")
+        if self.num_draft_tokens >= self.block_size:
+            raise ValueError("num_draft_tokens must be smaller than block_size (drafts spill into one block at most)")
+        return self
+
+    @property
+    def budget_blocks(self) -> int:
+        return self.budget_tokens // self.block_size
+
+    @property
+    def max_replace_blocks(self) -> int:
+        return max(1, int(self.budget_blocks * self.max_replace_fraction))

@@ -1,0 +1,300 @@
+"""The decode engine: continuous batching of requests whose prompt KV lives in a store.
+
+A request arrives as a `PrefillResult` (first token, store descriptor, predicted first working
+set). It is admitted when its working-set rows fit the device pool; then every step verifies
+`1 + k` rows per request (the last token and k drafts) over its working set, emits the accepted
+tokens, writes completed blocks back to the store (sparse modes) and finally frees everything
+in the pool and the store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..kvstore import summarize_keys
+from ..models.engine.scheduler import RequestTooLarge
+from ..models.engine.stopping import finish_reason, visible_text
+from ..models.sampling import SamplingParams, make_generator
+from ..models.transformer import DecoderModel
+from .attention import SparseAttention, StepRequest
+from .config import DecodeConfig
+from .counters import DecodeCounters
+from .lookahead import plan_replacements
+from .speculative import Draft, Drafter, NgramDrafter, verify
+from .working_set import DevicePool, RowPlan, WorkingSet
+
+
+@dataclass
+class DecodeRequest:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int]
+    initial_selection: torch.Tensor
+    num_kv: int = 0  # tokens whose K/V are in the working set / store
+    ws: WorkingSet | None = None
+    summaries: torch.Tensor | None = None
+    generator: torch.Generator | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    write_backs: list = field(default_factory=list)
+    arrived: float = field(default_factory=time.perf_counter)
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+@dataclass
+class DecodeOutput:
+    request_id: str
+    new_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+class DecodeEngine:
+    def __init__(self, model: DecoderModel, tokenizer, client, config: DecodeConfig | None = None,
+                 drafter: Drafter | None = None):
+        from ..prefill_node.prefill import kv_layout_for  # geometry helper only
+
+        self.config = config or DecodeConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.client = client
+        self.layout = kv_layout_for(model, self.config.block_size)
+        self.pool = DevicePool(self.layout, int(self.config.kv_pool_gb * 2**30), self.config.device)
+        client.register(self.pool.tensor)
+        self.counters = DecodeCounters()
+        mc = model.config
+        self.backend = SparseAttention(
+            self.pool, client, self.config.mode, mc.sliding_window, mc.softmax_scale, self.config.budget_blocks,
+            self.config.max_replace_blocks, self.config.miss_policy, self.counters, self.config.fetch_timeout_s,
+        )
+        self.drafter = drafter if drafter is not None else NgramDrafter()
+        self.eos_token_ids = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
+        self.waiting: deque[DecodeRequest] = deque()
+        self.running: list[DecodeRequest] = []
+        self._steps = 0
+
+    # -- admission -----------------------------------------------------------------------
+    def row_plan(self, prompt_tokens: int, max_tokens: int) -> RowPlan:
+        c, bs = self.config, self.config.block_size
+        if c.mode == "dense":
+            blocks = -(-(prompt_tokens + max_tokens + c.num_draft_tokens + 1) // bs)
+            return RowPlan(sinks=0, ring=blocks + 1, budget=0)
+        return RowPlan(sinks=c.sink_blocks, ring=c.window_blocks + 1, budget=c.budget_blocks)
+
+    def add(self, prefill, params: SamplingParams) -> str:
+        """Queue a prefilled request (a prefill_node.PrefillResult)."""
+        plan = self.row_plan(len(prefill.prompt_ids), params.max_tokens)
+        if plan.total > self.pool.num_rows:
+            raise RequestTooLarge(
+                f"request {prefill.request_id} needs {plan.total} rows of the device KV pool "
+                f"({plan.total * self.pool.row_bytes / 2**20:.1f} MiB); the pool has {self.pool.num_rows}"
+            )
+        req = DecodeRequest(prefill.request_id, list(prefill.prompt_ids), params, [prefill.first_token],
+                            prefill.initial_selection, num_kv=len(prefill.prompt_ids))
+        if not params.greedy:
+            req.generator = make_generator(None if params.seed is None else params.seed + 1)
+        self.waiting.append(req)
+        # The first token may already end the request.
+        reason = finish_reason(prefill.first_token, 1, params, self.eos_token_ids, False)
+        req.text, req.finish_reason = visible_text(self.tokenizer, req.output_ids, params, reason, self.eos_token_ids)
+        return req.request_id
+
+    def _admit_waiting(self) -> list[DecodeOutput]:
+        finished = []
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.finish_reason:
+                self.waiting.popleft()
+                self.client.free(req.request_id)
+                finished.append(DecodeOutput(req.request_id, [], req.output_ids, req.text, True, req.finish_reason))
+                continue
+            plan = self.row_plan(len(req.prompt_ids), req.params.max_tokens)
+            if plan.total > self.pool.allocator.num_free:
+                break
+            self.waiting.popleft()
+            self._admit(req, plan)
+            self.running.append(req)
+        return finished
+
+    def _admit(self, req: DecodeRequest, plan: RowPlan) -> None:
+        layout = self.layout
+        rows = torch.tensor(self.pool.allocator.allocate(plan.total))
+        ws = WorkingSet(req.request_id, rows, plan, layout.num_layers, layout.num_kv_heads, layout.block_size)
+        num_blocks = layout.num_blocks(req.num_kv)
+        tail = num_blocks - 1
+        always = sorted(set(range(min(plan.sinks, num_blocks))) | set(ws.window_blocks(tail)))
+        layers, heads, blocks, row_index = [], [], [], []
+        all_layers = np.repeat(np.arange(layout.num_layers), layout.num_kv_heads)
+        all_heads = np.tile(np.arange(layout.num_kv_heads), layout.num_layers)
+        for block in always:
+            index = ws.ring_index(block)
+            ws.set_everywhere(index, block)
+            layers.append(all_layers)
+            heads.append(all_heads)
+            blocks.append(np.full(all_layers.size, block))
+            row_index.append(np.full(all_layers.size, index))
+        if plan.budget and req.initial_selection.numel():
+            window_start = ws.window_blocks(tail).start
+            for layer in range(layout.num_layers):
+                # Keep the prediction's candidates that are not resident anyway (sinks, window);
+                # heads may keep different numbers, so all are cut to the shortest.
+                per_head = [w[(w >= plan.sinks) & (w < window_start)][: plan.budget] for w in req.initial_selection[layer]]
+                width = min(len(w) for w in per_head)
+                wanted = torch.stack([w[:width] for w in per_head])
+                fetch = plan_replacements(ws, layer, wanted, 0, None)
+                layers.append(np.full(len(fetch), layer))
+                heads.append(np.array(fetch.heads, dtype=np.int64))
+                blocks.append(np.array(fetch.blocks, dtype=np.int64))
+                row_index.append(np.array(fetch.row_indices, dtype=np.int64))
+        layers, heads, blocks, row_index = (np.concatenate(x).astype(np.int64) for x in (layers, heads, blocks, row_index))
+        slots = self.pool.unit_ids(rows[torch.from_numpy(row_index)], torch.from_numpy(layers), torch.from_numpy(heads))
+        self.client.read_blocks(req.request_id, layers, heads, blocks, self.pool.tensor, slots.numpy()).wait(
+            self.config.fetch_timeout_s
+        )
+        self.counters.admission_bytes_fetched += int(blocks.size) * layout.unit_bytes
+        if plan.budget:
+            req.summaries = self.client.read_summaries(req.request_id)
+        else:
+            req.summaries = torch.zeros((layout.num_layers, layout.num_kv_heads, 0, 2, layout.head_dim))
+        req.ws = ws
+
+    # -- one step ------------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @torch.inference_mode()
+    def step(self) -> list[DecodeOutput]:
+        outputs = self._admit_waiting()
+        if not self.running:
+            if self.waiting:
+                raise RuntimeError("no request fits the device KV pool although it is empty")
+            return outputs
+        reqs = list(self.running)
+        for req in reqs:  # a ring row is reused only after its write-back has landed
+            for handle in req.write_backs:
+                handle.wait(self.config.fetch_timeout_s)
+            req.write_backs.clear()
+        k = self.config.num_draft_tokens
+        drafts = self._propose(reqs, k)
+        ids, positions, step_reqs = [], [], []
+        for req, draft in zip(reqs, drafts):
+            tokens = [req.output_ids[-1]] + draft.tokens
+            pos = torch.arange(req.num_kv, req.num_kv + len(tokens))
+            ids.extend(tokens)
+            positions.append(pos)
+            step_reqs.append(StepRequest(req.ws, req.summaries, pos, len(draft.tokens)))
+        self._steps += 1
+        self.backend.prepare(step_reqs, self._steps)
+        device = self.config.device
+        hidden = self.model(torch.tensor(ids, device=device), torch.cat(positions).to(device), self.backend)
+        logits = self.model.compute_logits(hidden).cpu()
+        start = 0
+        for req, draft in zip(reqs, drafts):
+            rows = 1 + len(draft.tokens)
+            emitted = verify(logits[start : start + rows], draft, req.params, req.generator)
+            start += rows
+            self.counters.drafts_proposed += len(draft.tokens)
+            self.counters.drafts_accepted += len(emitted) - 1
+            old_kv = req.num_kv
+            req.num_kv += len(emitted)  # the last token and the accepted drafts now have K/V
+            if self.config.mode != "dense":
+                self._write_back(req, old_kv)
+            outputs.append(self._emit(req, emitted))
+        self.counters.steps += 1
+        return outputs
+
+    def _propose(self, reqs: list[DecodeRequest], k: int) -> list[Draft]:
+        if k == 0:
+            return [Draft([]) for _ in reqs]
+        budgets = [min(k, r.params.max_tokens - len(r.output_ids)) for r in reqs]
+        drafts = self.drafter.propose([r.history for r in reqs], k, [r.params for r in reqs])
+        return [Draft(d.tokens[:b], None if d.probs is None else d.probs[:b]) for d, b in zip(drafts, budgets)]
+
+    def _write_back(self, req: DecodeRequest, old_kv: int) -> None:
+        """Blocks completed this step go to the store (KV + summaries), so they stay fetchable
+        after they leave the window."""
+        bs, layout = self.layout.block_size, self.layout
+        done = range(old_kv // bs, req.num_kv // bs)
+        if not done:
+            return
+        self.client.extend(req.request_id, req.num_kv)
+        ws = req.ws
+        rows = torch.tensor([int(ws.rows[ws.ring_index(b)]) for b in done])
+        layer_ids = torch.arange(layout.num_layers)
+        head_ids = torch.arange(layout.num_kv_heads)
+        units = self.pool.unit_ids(rows[:, None, None], layer_ids[None, :, None], head_ids[None, None, :])
+        block_ids = torch.tensor(list(done))[:, None, None].expand_as(units)
+        layers = layer_ids[None, :, None].expand_as(units)
+        heads = head_ids[None, None, :].expand_as(units)
+        req.write_backs.append(self.client.write_blocks(
+            req.request_id, layers.reshape(-1).numpy(), heads.reshape(-1).numpy(), block_ids.reshape(-1).numpy(),
+            self.pool.tensor, units.reshape(-1).numpy(),
+        ))
+        self.counters.blocks_written_back += len(done)
+        keys = self.pool.units[units][:, :, :, 0]  # [blocks, layers, heads, bs, d]
+        summaries = summarize_keys(keys).permute(1, 2, 0, 3, 4)  # [layers, heads, blocks, 2, d]
+        have = req.summaries.shape[2]
+        first = done.start
+        if first < have:  # a block the prefill wrote partly filled
+            req.summaries = req.summaries[:, :, :first]
+        req.summaries = torch.cat((req.summaries, summaries), dim=2)
+
+    def _emit(self, req: DecodeRequest, emitted: list[int]) -> DecodeOutput:
+        new = []
+        reason = None
+        for token in emitted:
+            req.output_ids.append(token)
+            new.append(token)
+            reason = finish_reason(token, len(req.output_ids), req.params, self.eos_token_ids, False)
+            if reason:
+                break
+        self.counters.generated_tokens += len(new)
+        req.text, reason = visible_text(self.tokenizer, req.output_ids, req.params, reason, self.eos_token_ids)
+        if reason:
+            self._finish(req, reason)
+        return DecodeOutput(req.request_id, new, list(req.output_ids), req.text, reason is not None, reason)
+
+    def _finish(self, req: DecodeRequest, reason: str) -> None:
+        req.finish_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        if req.ws is not None:
+            for layer_handle in req.ws.pending:
+                if layer_handle is not None:
+                    layer_handle.wait(self.config.fetch_timeout_s)
+            for handle in req.write_backs:
+                handle.wait(self.config.fetch_timeout_s)
+            self.pool.allocator.free(req.ws.rows.tolist())
+            req.ws = None
+        self.client.free(req.request_id)
+
+    def abort(self, request_id: str) -> None:
+        for req in list(self.waiting):
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                self.client.free(request_id)
+                return
+        for req in self.running:
+            if req.request_id == request_id:
+                self._finish(req, "abort")
+                return
+
+    def run_to_completion(self) -> dict[str, DecodeOutput]:
+        final = {}
+        while self.has_unfinished:
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return final

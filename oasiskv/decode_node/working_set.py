@@ -1,0 +1,120 @@
+"""The device KV pool and each request's working set in it.
+
+The pool is `[rows, layers, kv_heads, 2, block_size, head_dim]`: a *row* holds one block slot
+for every (layer, KV head), and each (layer, KV head) decides on its own which logical block its
+slot of the row holds. A request owns a fixed set of rows for its whole life:
+
+    [ sink rows | window ring (window_blocks + 1 rows) | budget rows ]
+
+- sink rows hold the first blocks (attention sinks), always;
+- the ring holds the most recent blocks, which the decode node writes itself (block b lives in
+  ring row (b - sinks) % ring); the one spare row takes draft tokens that spill into the next
+  block without overwriting the window;
+- budget rows hold the selected blocks (top-K per layer and KV head), replaced as the selection
+  moves.
+
+`dense` is the same structure with no sinks, no budget, and a ring as long as the request.
+A request is admitted only when its rows are free, so the pool never over-commits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kvstore import KVLayout
+from ..models.kv_cache import BlockAllocator
+
+EMPTY = -1
+_PAD_POSITION = 1 << 40
+
+
+class DevicePool:
+    def __init__(self, layout: KVLayout, pool_bytes: int, device: str | torch.device = "cpu"):
+        self.layout = layout
+        row_bytes = layout.num_layers * layout.num_kv_heads * layout.unit_bytes
+        self.num_rows = pool_bytes // row_bytes
+        if self.num_rows < 1:
+            raise ValueError(f"kv pool of {pool_bytes} bytes holds no row ({row_bytes} bytes each)")
+        self.row_bytes = row_bytes
+        shape = (self.num_rows, layout.num_layers, layout.num_kv_heads, 2, layout.block_size, layout.head_dim)
+        self.tensor = torch.zeros(shape, dtype=layout.dtype, device=device)
+        self.units = self.tensor.view(-1, 2, layout.block_size, layout.head_dim)
+        self.allocator = BlockAllocator(self.num_rows)
+
+    def unit_ids(self, rows: torch.Tensor, layer: int, head: torch.Tensor | int) -> torch.Tensor:
+        """Flat unit index of (row, layer, head): where a store read lands."""
+        return (rows * self.layout.num_layers + layer) * self.layout.num_kv_heads + head
+
+    @property
+    def rows_used(self) -> int:
+        return self.num_rows - self.allocator.num_free
+
+
+@dataclass
+class RowPlan:
+    """How many rows of each role a request gets."""
+
+    sinks: int
+    ring: int
+    budget: int
+
+    @property
+    def total(self) -> int:
+        return self.sinks + self.ring + self.budget
+
+
+@dataclass
+class WorkingSet:
+    request_id: str
+    rows: torch.Tensor  # [R] pool rows owned, in role order
+    plan: RowPlan
+    num_layers: int
+    num_kv_heads: int
+    block_size: int
+    # Logical block held by (layer, head, row index); EMPTY when none.
+    blocks: torch.Tensor = field(init=False)
+    # Step at which (layer, head, row index) was last selected: eviction is least-recently-selected.
+    last_selected: torch.Tensor = field(init=False)
+    # Rows whose block is still in flight, per layer (cleared when the layer's fetch completes).
+    in_flight: torch.Tensor = field(init=False)
+    pending: list = field(init=False)  # per layer: TransferHandle | None
+
+    def __post_init__(self):
+        shape = (self.num_layers, self.num_kv_heads, self.plan.total)
+        self.blocks = torch.full(shape, EMPTY, dtype=torch.long)
+        self.last_selected = torch.zeros(shape, dtype=torch.long)
+        self.in_flight = torch.zeros(shape, dtype=torch.bool)
+        self.pending = [None] * self.num_layers
+
+    # -- roles ---------------------------------------------------------------------------
+    @property
+    def budget_slice(self) -> slice:
+        return slice(self.plan.sinks + self.plan.ring, self.plan.total)
+
+    def ring_index(self, block: int) -> int:
+        """Row index that holds `block` while it is written locally (sink blocks keep their own row)."""
+        if block < self.plan.sinks:
+            return block
+        return self.plan.sinks + (block - self.plan.sinks) % self.plan.ring
+
+    def is_sink(self, block: int) -> bool:
+        return block < self.plan.sinks
+
+    def set_everywhere(self, row_index: int, block: int) -> None:
+        """Row `row_index` holds `block` for every layer and head (sinks, the ring)."""
+        self.blocks[:, :, row_index] = block
+
+    def window_blocks(self, tail_block: int) -> range:
+        """Blocks that the ring keeps resident while `tail_block` is the newest block."""
+        first = max(self.plan.sinks, tail_block - (self.plan.ring - 1) + 1)
+        return range(first, tail_block + 1)
+
+    def key_positions(self, layer: int) -> torch.Tensor:
+        """[kv_heads, R * block_size] position of every key slot (padding for empty or in-flight rows)."""
+        blocks = self.blocks[layer]
+        offsets = torch.arange(self.block_size)
+        positions = blocks[:, :, None] * self.block_size + offsets
+        hidden = (blocks == EMPTY) | self.in_flight[layer]
+        return positions.masked_fill(hidden[:, :, None], _PAD_POSITION).reshape(self.num_kv_heads, -1)

@@ -1,0 +1,121 @@
+"""Chunked prefill into a KV store.
+
+Runs the target model over a prompt (in chunks of `chunk_tokens`), and as each layer finishes
+its last chunk writes that layer's KV blocks to the store (the store computes the key
+summaries), so transfers overlap the remaining layers. The last prompt row's queries score the
+blocks of each layer to predict the decode node's first working set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kvstore import KVLayout, block_scores, pack_layer, summarize_layer
+from ..models.attention import AttentionBatch, PagedAttention
+from ..models.kv_cache import KVCacheSpec, PagedKVCache
+from ..models.sampling import SamplingParams, make_generator, sample
+from ..models.transformer import DecoderModel
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    prompt_ids: list[int]
+    first_token: int
+    layout: KVLayout
+    # [layers, kv_heads, k] predicted top-K blocks (best first) from the last prompt row's query;
+    # k may be 0 when the prompt has no blocks outside the sinks and the window.
+    initial_selection: torch.Tensor
+    kv_bytes_written: int
+
+
+def kv_layout_for(model: DecoderModel, block_size: int = 16) -> KVLayout:
+    c = model.config
+    return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, next(model.parameters()).dtype)
+
+
+class _CapturingAttention(PagedAttention):
+    """Dense paged attention that, on the final chunk, ships each layer's KV to the store and
+    keeps the last row's query for the working-set prediction."""
+
+    def __init__(self, cache, sliding_window, scale, on_layer_done):
+        super().__init__(cache, sliding_window, scale)
+        self.final_chunk = False
+        self.on_layer_done = on_layer_done
+
+    def attend(self, layer, q, k, v):
+        out = super().attend(layer, q, k, v)
+        if self.final_chunk:
+            self.on_layer_done(layer, q[-1:])
+        return out
+
+
+class Prefiller:
+    def __init__(self, model: DecoderModel, client, block_size: int = 16, chunk_tokens: int = 1024):
+        self.model = model
+        self.client = client
+        self.layout = kv_layout_for(model, block_size)
+        self.chunk_tokens = chunk_tokens
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams | None = None,
+        budget_blocks: int = 128,
+        excluded_head_blocks: int = 1,
+        excluded_tail_blocks: int = 4,
+    ) -> PrefillResult:
+        """Prefill `prompt_ids`, write its KV to the store under `request_id`, sample the first token.
+
+        The initial selection ranks blocks [excluded_head_blocks, blocks - excluded_tail_blocks)
+        (the decode node keeps sinks and its window resident anyway)."""
+        params = params or SamplingParams()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        model, layout = self.model, self.layout
+        config = model.config
+        num_tokens = len(prompt_ids)
+        num_blocks = layout.num_blocks(num_tokens)
+        device = next(model.parameters()).device
+        spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, layout.block_size, layout.dtype)
+        cache = PagedKVCache(spec, num_blocks, device)
+        table = cache.allocator.allocate(num_blocks)
+        slots = torch.arange(num_tokens, device=device)  # blocks 0..n-1 in order: slot == position
+        self.client.allocate(request_id, layout, num_tokens)
+        handles = []
+        selection = torch.empty((config.num_layers, config.num_kv_heads, 0), dtype=torch.long)
+        candidates = range(excluded_head_blocks, max(excluded_head_blocks, num_blocks - excluded_tail_blocks))
+        top_k = min(budget_blocks, len(candidates))
+        if top_k:
+            selection = torch.empty((config.num_layers, config.num_kv_heads, top_k), dtype=torch.long)
+
+        def ship_layer(layer: int, last_query: torch.Tensor) -> None:
+            keys = cache.k[layer][:, slots].transpose(0, 1)  # [tokens, kv_heads, d]
+            values = cache.v[layer][:, slots].transpose(0, 1)
+            handles.append(self.client.write_layer(request_id, layer, pack_layer(keys, values, layout.block_size).cpu()))
+            if top_k:
+                summaries = summarize_layer(keys, layout.block_size)  # same bound the store keeps
+                scores = block_scores(last_query, summaries[:, candidates.start : candidates.stop])[0]
+                selection[layer] = torch.topk(scores, top_k, dim=-1).indices + candidates.start
+
+        backend = _CapturingAttention(cache, config.sliding_window, config.softmax_scale, ship_layer)
+        try:
+            for start in range(0, num_tokens, self.chunk_tokens):
+                end = min(num_tokens, start + self.chunk_tokens)
+                backend.final_chunk = end == num_tokens
+                backend.batch = AttentionBatch.dense([table], [start], [end - start], layout.block_size, device)
+                hidden = model(torch.tensor(prompt_ids[start:end], device=device), torch.arange(start, end, device=device), backend)
+            logits = model.compute_logits(hidden[-1:])
+            generator = None if params.greedy else make_generator(params.seed)
+            first = sample(logits, [params], [generator])[0]
+            for handle in handles:
+                handle.wait()
+        except BaseException:
+            self.client.free(request_id)
+            raise
+        written = num_blocks * config.num_layers * config.num_kv_heads * layout.unit_bytes
+        return PrefillResult(request_id, list(prompt_ids), first, layout, selection, written)
