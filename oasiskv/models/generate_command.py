@@ -26,7 +26,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from .engine import LLM
-    from .errors import OasisModelError
+    from .errors import ModelError
     from .sampling import SamplingParams
 
     try:
@@ -43,7 +43,7 @@ def run_generate(args: argparse.Namespace) -> int:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
         else:
             outputs = llm.generate(args.prompt, params)
-    except (ValueError, ValidationError, OasisModelError) as error:
+    except (ValueError, ValidationError, ModelError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     for prompt, out in zip(args.prompt, outputs):
