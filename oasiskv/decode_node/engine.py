@@ -219,7 +219,7 @@ class DecodeEngine:
         if k == 0:
             return [Draft([]) for _ in reqs]
         budgets = [min(k, r.params.max_tokens - len(r.output_ids)) for r in reqs]
-        drafts = self.drafter.propose([r.history for r in reqs], k, [r.params for r in reqs])
+        drafts = self.drafter.propose([r.request_id for r in reqs], [r.history for r in reqs], k, [r.params for r in reqs])
         return [Draft(d.tokens[:b], None if d.probs is None else d.probs[:b]) for d, b in zip(drafts, budgets)]
 
     def _write_back(self, req: DecodeRequest, old_kv: int) -> None:
@@ -268,6 +268,7 @@ class DecodeEngine:
 
     def _finish(self, req: DecodeRequest, reason: str) -> None:
         req.finish_reason = reason
+        self.drafter.release(req.request_id)
         if req in self.running:
             self.running.remove(req)
         if req.ws is not None:

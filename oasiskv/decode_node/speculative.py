@@ -28,7 +28,9 @@ class Draft:
 
 
 class Drafter(Protocol):
-    def propose(self, histories: list[list[int]], k: int, params: list[SamplingParams]) -> list[Draft]: ...
+    def propose(
+        self, request_ids: list[str], histories: list[list[int]], k: int, params: list[SamplingParams]
+    ) -> list[Draft]: ...
 
     def release(self, request_id: str) -> None: ...
 
@@ -43,7 +45,7 @@ class NgramDrafter:
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
 
-    def propose(self, histories: list[list[int]], k: int, params: list[SamplingParams] | None = None) -> list[Draft]:
+    def propose(self, request_ids, histories: list[list[int]], k: int, params=None) -> list[Draft]:
         return [Draft(self._lookup(h, k)) for h in histories]
 
     def _lookup(self, history: list[int], k: int) -> list[int]:

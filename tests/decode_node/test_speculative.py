@@ -64,8 +64,8 @@ def test_ngram_lookup_proposes_the_continuation_of_the_latest_match():
     drafter = NgramDrafter(max_ngram=3)
     history = [5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 5, 6, 7]
     # "5 6 7" occurred twice before; the most recent was followed by 2, 3.
-    assert drafter.propose([history], 2)[0].tokens == [2, 3]
-    assert drafter.propose([[1, 2, 3]], 4)[0].tokens == []  # nothing repeats
-    assert drafter.propose([history], 0)[0].tokens == []
+    assert drafter.propose(["r"], [history], 2)[0].tokens == [2, 3]
+    assert drafter.propose(["r"], [[1, 2, 3]], 4)[0].tokens == []  # nothing repeats
+    assert drafter.propose(["r"], [history], 0)[0].tokens == []
     with pytest.raises(ValueError):
         NgramDrafter(max_ngram=1, min_ngram=2)

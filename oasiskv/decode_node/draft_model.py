@@ -1,0 +1,147 @@
+"""A small draft model as the drafter, with a bounded KV cache.
+
+The draft model keeps, per request, only its first `sink_tokens` and its most recent tokens
+(a ring of `window_tokens + max_chunk` slots), so its memory does not grow with the context.
+Each propose() first feeds the tokens accepted since the last call (rolling back what the target
+rejected), then runs k single-token steps batched across requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..models.attention import AttentionBatch, PagedAttention
+from ..models.kv_cache import KVCacheSpec, PagedKVCache
+from ..models.sampling import SamplingParams, make_generator, target_probs
+from ..models.transformer import DecoderModel
+from .speculative import Draft, DrafterMismatch
+
+_PAD_POSITION = 1 << 40
+
+
+@dataclass
+class _DraftState:
+    region: torch.Tensor  # cache slots owned by this request
+    slot_positions: torch.Tensor  # position held by each slot (PAD when empty)
+    fed: list[int]  # tokens whose K/V are in the ring
+    generator: torch.Generator | None = None
+
+
+class DraftModelDrafter:
+    def __init__(self, model: DecoderModel, target_vocab_size: int, draft_tokenizer=None, target_tokenizer=None,
+                 sink_tokens: int = 16, window_tokens: int = 1024, max_chunk: int = 256, max_requests: int = 32):
+        check_vocabularies(model.config.vocab_size, target_vocab_size, draft_tokenizer, target_tokenizer)
+        self.model = model
+        self.target_vocab_size = target_vocab_size
+        self.sink_tokens = sink_tokens
+        self.window_tokens = window_tokens
+        self.max_chunk = max_chunk
+        self.ring = window_tokens + max_chunk
+        c = model.config
+        dtype = next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        block_size = 16
+        self.slots_per_request = -(-(sink_tokens + self.ring) // block_size) * block_size
+        spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, block_size, dtype)
+        self.cache = PagedKVCache(spec, max_requests * self.slots_per_request // block_size, self.device)
+        self.backend = PagedAttention(self.cache, c.sliding_window, c.softmax_scale)
+        self.states: dict[str, _DraftState] = {}
+
+    def _slot(self, position: int) -> int:
+        if position < self.sink_tokens:
+            return position
+        return self.sink_tokens + (position - self.sink_tokens) % self.ring
+
+    def _state(self, request_id: str, params: SamplingParams) -> _DraftState:
+        if request_id not in self.states:
+            blocks = self.cache.allocator.allocate(self.slots_per_request // self.cache.block_size)
+            region = (torch.tensor(blocks)[:, None] * self.cache.block_size + torch.arange(self.cache.block_size)).reshape(-1)
+            generator = None if params.greedy else make_generator(None if params.seed is None else params.seed + 2)
+            self.states[request_id] = _DraftState(region, torch.full((len(region),), _PAD_POSITION), [], generator)
+        return self.states[request_id]
+
+    @torch.inference_mode()
+    def propose(self, request_ids: list[str], histories: list[list[int]], k: int, params: list[SamplingParams]) -> list[Draft]:
+        if k == 0:
+            return [Draft([]) for _ in histories]
+        states = [self._state(r, p) for r, p in zip(request_ids, params)]
+        for state, history in zip(states, histories):
+            common = 0
+            for a, b in zip(state.fed, history):
+                if a != b:
+                    break
+                common += 1
+            # Always leave the last token unfed: its row produces the first draft's logits.
+            del state.fed[min(common, len(history) - 1) :]
+        # Catch up in chunks; the final chunk of every request ends at its last token.
+        logits = torch.zeros((len(states), self.target_vocab_size))
+        while not all(len(s.fed) == len(h) for s, h in zip(states, histories)):
+            feeds = [h[len(s.fed) : len(s.fed) + self.max_chunk] for s, h in zip(states, histories)]
+            self._forward(states, feeds, logits)
+        tokens: list[list[int]] = [[] for _ in states]
+        probs: list[list[torch.Tensor]] = [[] for _ in states]
+        for step in range(k):
+            next_tokens = []
+            for i, (row, p, state) in enumerate(zip(logits, params, states)):
+                if p.greedy:
+                    token = int(row.argmax())
+                else:
+                    dist = target_probs(row, p)
+                    token = int(torch.multinomial(dist, 1, generator=state.generator))
+                    probs[i].append(dist)
+                tokens[i].append(token)
+                next_tokens.append([token])
+            if step + 1 < k:
+                self._forward(states, next_tokens, logits)
+        # Draft tokens were fed for steps 0..k-2; they are rolled back next call if rejected.
+        return [Draft(t, torch.stack(pr) if pr else None) for t, pr in zip(tokens, probs)]
+
+    def _forward(self, states: list[_DraftState], feeds: list[list[int]], logits_out: torch.Tensor) -> None:
+        """Feed each request's tokens (possibly none); the last fed row's logits of each fed
+        request go to its row of `logits_out`."""
+        ids, positions, query_positions, key_slots, key_positions, writes, last_rows = [], [], [], [], [], [], []
+        active = [i for i, f in enumerate(feeds) if f]
+        row = 0
+        for i in active:
+            state, feed = states[i], feeds[i]
+            start = len(state.fed)
+            pos = torch.arange(start, start + len(feed))
+            slots = state.region[torch.tensor([self._slot(int(p)) for p in pos])]
+            state.slot_positions[torch.tensor([self._slot(int(p)) for p in pos])] = pos
+            ids.extend(feed)
+            positions.append(pos)
+            query_positions.append(pos)
+            key_slots.append(state.region)
+            key_positions.append(state.slot_positions.clone())
+            writes.append(slots)
+            state.fed.extend(feed)
+            row += len(feed)
+            last_rows.append(row - 1)
+        self.backend.batch = AttentionBatch.from_key_lists(query_positions, key_slots, key_positions, torch.cat(writes).to(self.device))
+        hidden = self.model(torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), self.backend)
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=self.device)]).cpu()
+        logits_out[torch.tensor(active)] = logits[:, : logits_out.shape[-1]]
+
+    def release(self, request_id: str) -> None:
+        state = self.states.pop(request_id, None)
+        if state is not None:
+            blocks = (state.region[:: self.cache.block_size] // self.cache.block_size).tolist()
+            self.cache.allocator.free(blocks)
+
+
+def check_vocabularies(draft_vocab: int, target_vocab: int, draft_tokenizer=None, target_tokenizer=None) -> None:
+    """A drafter must speak the target's token ids; refuse at start-up otherwise."""
+    if draft_tokenizer is not None and target_tokenizer is not None:
+        d, t = draft_tokenizer.vocab_size, target_tokenizer.vocab_size
+        probe = range(0, min(d, t), max(1, min(d, t) // 512))
+        mismatched = [i for i in probe if draft_tokenizer.id_to_token(i) != target_tokenizer.id_to_token(i)]
+        if d != t or mismatched:
+            raise DrafterMismatch(
+                f"draft tokenizer ({d} tokens) does not match the target's ({t} tokens)"
+                + (f"; e.g. id {mismatched[0]} is {draft_tokenizer.id_to_token(mismatched[0])!r} vs "
+                   f"{target_tokenizer.id_to_token(mismatched[0])!r}" if mismatched else "")
+            )
+    if draft_vocab < target_vocab and draft_tokenizer is None:
+        raise DrafterMismatch(f"draft model vocabulary ({draft_vocab}) is smaller than the target's ({target_vocab})")

@@ -1,0 +1,120 @@
+"""The tokenizer of a model directory: `tokenizer.json` plus the chat template, nothing heavier.
+
+`tokenizers` does the encoding; the chat template is rendered with jinja2 the way transformers
+renders it (sandboxed, trim_blocks/lstrip_blocks, `raise_exception`, a `tojson` that keeps
+non-ASCII), so a prompt built here is the prompt transformers or vLLM would build.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+
+class ChatTokenizer:
+    def __init__(self, tokenizer: Tokenizer, config: dict, eos_token_ids: tuple[int, ...] = ()):
+        self.tokenizer = tokenizer
+        self.config = config
+        self.chat_template: str | None = config.get("chat_template")
+        self.bos_token: str | None = _token_text(config.get("bos_token"))
+        self.eos_token: str | None = _token_text(config.get("eos_token"))
+        self.pad_token: str | None = _token_text(config.get("pad_token"))
+        self.bos_token_id = self.token_to_id(self.bos_token)
+        self.eos_token_id = self.token_to_id(self.eos_token)
+        self.pad_token_id = self.token_to_id(self.pad_token)
+        stops = list(eos_token_ids) or ([self.eos_token_id] if self.eos_token_id is not None else [])
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(stops))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tokenizer.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.tokenizer.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`add_special_tokens` applies tokenizer.json's post-processor: Gemma's `<bos>`; nothing for Qwen/SmolLM2."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tokenize: bool = True,
+        **template_vars,
+    ) -> str | list[int]:
+        """Token ids by default, like transformers: encoding the returned text again with
+        `encode()` would add a second BOS for Gemma, whose template writes `<bos>` itself."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        text = self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            pad_token=self.pad_token or "",
+            **template_vars,
+        )
+        # The template writes any BOS itself; encoding must not add a second one.
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    @cached_property
+    def _template(self):
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        return env.from_string(self.chat_template)
+
+
+def load_tokenizer(model_dir: str | Path) -> ChatTokenizer:
+    model_dir = Path(model_dir)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    config = _read_json(model_dir / "tokenizer_config.json")
+    if not config.get("chat_template") and (model_dir / "chat_template.jinja").is_file():
+        config["chat_template"] = (model_dir / "chat_template.jinja").read_text()  # transformers 5 layout
+    eos = _read_json(model_dir / "generation_config.json").get("eos_token_id")
+    if eos is None:
+        eos = _read_json(model_dir / "config.json").get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+    return ChatTokenizer(tokenizer, config, eos_ids)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _token_text(value) -> str | None:
+    """tokenizer_config.json spells a special token as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
+    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
+
+
+def _raise(message: str):
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)

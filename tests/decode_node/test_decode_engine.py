@@ -1,0 +1,129 @@
+"""The decode engine on a real model and a real store: sparse modes against `dense` and the
+single-process engine, resource accounting, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasiskv.decode_node.config import DecodeConfig
+from oasiskv.decode_node.draft_model import DraftModelDrafter
+from oasiskv.decode_node.engine import DecodeEngine
+from oasiskv.decode_node.speculative import DrafterMismatch
+from oasiskv.kvstore import KVStore, StoreFull, connect
+from oasiskv.models.engine.scheduler import RequestTooLarge
+from oasiskv.models.sampling import SamplingParams
+from oasiskv.prefill_node.prefill import Prefiller
+
+from ..conftest import stdlib_source
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def store():
+    return KVStore(256 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_llm):
+    ids = smollm2_llm.encode(stdlib_source("argparse.py"))
+    # ~40 and ~33 blocks: most of each prompt lies outside the sinks and the window.
+    return [ids[:640], ids[3000:3530]]
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_llm, prompts):
+    return [o.token_ids for o in smollm2_llm.generate(prompts, GREEDY)]
+
+
+def _run(smollm2_llm, store, prompts, config, params=GREEDY, drafter=None, tag=""):
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config, drafter=drafter)
+    prefiller = Prefiller(smollm2_llm.model, client)
+    for i, prompt in enumerate(prompts):
+        result = prefiller.prefill(
+            f"{config.mode}{tag}-{i}", prompt, params, budget_blocks=config.budget_blocks,
+            excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks,
+        )
+        engine.add(result, params)
+    outputs = engine.run_to_completion()
+    return engine, [outputs[f"{config.mode}{tag}-{i}"].token_ids for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse-current", "lookahead"])
+def test_full_budget_matches_the_single_process_engine(smollm2_llm, store, prompts, reference, mode):
+    engine, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(mode=mode, budget_tokens=2048, kv_pool_gb=0.25))
+    assert tokens == reference
+    counters = engine.counters
+    assert counters.drafts_proposed > 0
+    if mode != "dense":
+        assert counters.prediction_recall == pytest.approx(1.0)
+        assert counters.blocks_written_back >= 1
+    # Everything was given back: pool rows and store memory.
+    assert engine.pool.allocator.num_free == engine.pool.num_rows
+    assert store.stats().num_requests == 0
+
+
+def test_plain_decoding_with_k_zero(smollm2_llm, store, prompts, reference):
+    engine, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(num_draft_tokens=0, kv_pool_gb=0.25), tag="-k0")
+    assert tokens == reference
+    assert engine.counters.drafts_proposed == 0
+    assert engine.counters.steps == GREEDY.max_tokens - 1  # one token per step after the prefill's
+
+
+def test_small_budget_fetches_only_the_predicted_blocks(smollm2_llm, store, prompts):
+    config = DecodeConfig(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
+    engine, tokens = _run(smollm2_llm, store, prompts, config, tag="-small")
+    counters = engine.counters
+    assert all(len(t) == GREEDY.max_tokens for t in tokens)
+    assert 0.0 < counters.prediction_recall < 1.0
+    assert counters.prefetch_hits + counters.prefetch_misses > 0
+    # Admission moved a working set, not the whole prompt: far less than the full KV.
+    full_kv = sum(len(p) for p in prompts) / 16 * engine.layout.num_layers * engine.layout.num_kv_heads * engine.layout.unit_bytes
+    assert counters.admission_bytes_fetched < 0.5 * full_kv
+    assert engine.pool.allocator.num_free == engine.pool.num_rows
+
+
+def test_self_drafting_model_matches_and_is_accepted(smollm2_llm, store, prompts, reference):
+    model, tok = smollm2_llm.model, smollm2_llm.tokenizer
+    drafter = DraftModelDrafter(model, model.config.vocab_size, tok, tok, window_tokens=256, max_chunk=64)
+    engine, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(kv_pool_gb=0.25), drafter=drafter, tag="-draft")
+    assert tokens == reference
+    assert engine.counters.acceptance_rate > 0.5  # the same model drafting, with a bounded window
+    assert not drafter.states  # released with their requests
+
+
+def test_drafter_with_another_vocabulary_is_refused(smollm2_llm):
+    model = smollm2_llm.model
+    with pytest.raises(DrafterMismatch, match="vocabulary"):
+        DraftModelDrafter(model, model.config.vocab_size + 1000)
+
+
+def test_prompt_larger_than_the_store_is_refused_cleanly(smollm2_llm):
+    tiny_store = KVStore(4 * 2**20)
+    client = connect(tiny_store)
+    prompt = smollm2_llm.encode(stdlib_source("typing.py"))[:4000]
+    with pytest.raises(StoreFull):
+        Prefiller(smollm2_llm.model, client).prefill("too-big", prompt)
+    assert tiny_store.stats().num_requests == 0
+
+
+def test_request_larger_than_the_pool_is_refused(smollm2_llm, store, prompts):
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, DecodeConfig(mode="dense", kv_pool_gb=0.002))
+    result = Prefiller(smollm2_llm.model, client).prefill("no-room", prompts[0])
+    try:
+        with pytest.raises(RequestTooLarge, match="device KV pool"):
+            engine.add(result, GREEDY)
+    finally:
+        client.free("no-room")
+
+
+def test_config_validates_early():
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        DecodeConfig(budget_tokens=100)
+    with pytest.raises(ValueError):
+        DecodeConfig(mode="sparse")
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        DecodeConfig(num_draft_tokens=16)
