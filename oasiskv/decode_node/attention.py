@@ -31,17 +31,17 @@ class StepRequest:
     summaries: torch.Tensor  # [layers, kv_heads, blocks, 2, d] of complete blocks in the store
     positions: torch.Tensor  # [rows] positions of this step's rows (row 0: last accepted token)
     num_drafts: int
+    mode: str = "lookahead"
+    budget_blocks: int = 128
 
 
 class SparseAttention:
-    def __init__(self, pool: DevicePool, client, mode: str, sliding_window, scale: float, budget_blocks: int,
-                 max_replace: int, miss_policy: str, counters: DecodeCounters, fetch_timeout_s: float):
+    def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace: int, miss_policy: str,
+                 counters: DecodeCounters, fetch_timeout_s: float):
         self.pool = pool
         self.client = client
-        self.mode = mode
         self.sliding_window = sliding_window
         self.scale = scale
-        self.budget_blocks = budget_blocks
         self.max_replace = max_replace
         self.miss_policy = miss_policy
         self.counters = counters
@@ -107,21 +107,23 @@ class SparseAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         for req in self.requests:
             self._await_layer(req.ws, layer)
-        row_starts = self._row_starts()
-        current = q[row_starts]  # [B, heads, d] the current step's query per request
-        if self.mode != "dense":
-            self._track_recall(layer, current)
-        if self.mode == "sparse-current":
-            self._select_and_fetch(layer, [current[i : i + 1] for i in range(len(self.requests))], wait=True)
+        row_starts = self._row_starts().tolist()
+        current = [q[start : start + 1] for start in row_starts]  # each request's current query
+        sparse = [i for i, r in enumerate(self.requests) if r.mode != "dense" and r.ws.plan.budget]
+        for i in sparse:
+            self._track_recall(layer, self.requests[i], current[i])
+        on_demand = [i for i in sparse if self.requests[i].mode == "sparse-current"]
+        self._select_and_fetch(layer, [(self.requests[i], current[i]) for i in on_demand], wait=True)
         self._write_new_kv(layer, k, v)
         out = self._attend_resident(layer, q)
-        if self.mode == "lookahead":
-            queries = []
-            for i, req in enumerate(self.requests):
-                start = int(row_starts[i])
+        lookahead = []
+        for i in sparse:
+            req = self.requests[i]
+            if req.mode == "lookahead":
+                start = row_starts[i]
                 drafts = q[start + 1 : start + 1 + req.num_drafts]
-                queries.append(drafts if req.num_drafts else q[start : start + 1])
-            self._select_and_fetch(layer, queries, wait=False)
+                lookahead.append((req, drafts if req.num_drafts else current[i]))
+        self._select_and_fetch(layer, lookahead, wait=False)
         return out
 
     def _row_starts(self) -> torch.Tensor:
@@ -162,12 +164,10 @@ class SparseAttention:
         candidates[req.ws.plan.sinks : min(window_start, num_blocks)] = True
         return candidates
 
-    def _select_and_fetch(self, layer: int, queries: list[torch.Tensor], wait: bool) -> None:
-        for req, query in zip(self.requests, queries):
-            if req.ws.plan.budget == 0:
-                continue
+    def _select_and_fetch(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]], wait: bool) -> None:
+        for req, query in work:
             scores = score_blocks(query, req.summaries[layer], self._candidates(req))
-            wanted = top_blocks(scores, min(self.budget_blocks, req.ws.plan.budget))
+            wanted = top_blocks(scores, min(req.budget_blocks, req.ws.plan.budget))
             cap = None if wait else self.max_replace
             plan = plan_replacements(req.ws, layer, wanted, self.step_index, cap)
             if len(plan) == 0:
@@ -210,13 +210,10 @@ class SparseAttention:
         ws.pending[layer] = None
         ws.in_flight[layer] = False
 
-    def _track_recall(self, layer: int, current: torch.Tensor) -> None:
+    def _track_recall(self, layer: int, req: StepRequest, current: torch.Tensor) -> None:
         """How many of the current query's top-K blocks are resident (were predicted)."""
-        for i, req in enumerate(self.requests):
-            if req.ws.plan.budget == 0:
-                continue
-            scores = score_blocks(current[i : i + 1], req.summaries[layer], self._candidates(req))
-            actual = top_blocks(scores, min(self.budget_blocks, req.ws.plan.budget))
-            if actual.numel():
-                resident = req.ws.blocks[layer, :, req.ws.budget_slice]
-                self.counters.add_recall(recall(resident, actual))
+        scores = score_blocks(current, req.summaries[layer], self._candidates(req))
+        actual = top_blocks(scores, min(req.budget_blocks, req.ws.plan.budget))
+        if actual.numel():
+            resident = req.ws.blocks[layer, :, req.ws.budget_slice]
+            self.counters.add_recall(recall(resident, actual))

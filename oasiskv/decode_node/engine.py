@@ -43,6 +43,8 @@ class DecodeRequest:
     text: str = ""
     finish_reason: str | None = None
     write_backs: list = field(default_factory=list)
+    mode: str = "lookahead"
+    plan: RowPlan | None = None
     arrived: float = field(default_factory=time.perf_counter)
 
     @property
@@ -75,8 +77,8 @@ class DecodeEngine:
         self.counters = DecodeCounters()
         mc = model.config
         self.backend = SparseAttention(
-            self.pool, client, self.config.mode, mc.sliding_window, mc.softmax_scale, self.config.budget_blocks,
-            self.config.max_replace_blocks, self.config.miss_policy, self.counters, self.config.fetch_timeout_s,
+            self.pool, client, mc.sliding_window, mc.softmax_scale, self.config.max_replace_blocks,
+            self.config.miss_policy, self.counters, self.config.fetch_timeout_s,
         )
         self.drafter = drafter if drafter is not None else NgramDrafter()
         self.eos_token_ids = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
@@ -85,23 +87,31 @@ class DecodeEngine:
         self._steps = 0
 
     # -- admission -----------------------------------------------------------------------
-    def row_plan(self, prompt_tokens: int, max_tokens: int) -> RowPlan:
+    def row_plan(self, prompt_tokens: int, max_tokens: int, mode: str | None = None,
+                 budget_tokens: int | None = None) -> RowPlan:
         c, bs = self.config, self.config.block_size
-        if c.mode == "dense":
+        if (mode or c.mode) == "dense":
             blocks = -(-(prompt_tokens + max_tokens + c.num_draft_tokens + 1) // bs)
             return RowPlan(sinks=0, ring=blocks + 1, budget=0)
-        return RowPlan(sinks=c.sink_blocks, ring=c.window_blocks + 1, budget=c.budget_blocks)
+        budget = (budget_tokens or c.budget_tokens) // bs
+        return RowPlan(sinks=c.sink_blocks, ring=c.window_blocks + 1, budget=budget)
 
-    def add(self, prefill, params: SamplingParams) -> str:
-        """Queue a prefilled request (a prefill_node.PrefillResult)."""
-        plan = self.row_plan(len(prefill.prompt_ids), params.max_tokens)
+    def add(self, prefill, params: SamplingParams, mode: str | None = None, budget_tokens: int | None = None) -> str:
+        """Queue a prefilled request (a prefill_node.PrefillResult). `mode` and `budget_tokens`
+        override the engine's defaults for this request."""
+        mode = mode or self.config.mode
+        if mode not in ("dense", "sparse-current", "lookahead"):
+            raise ValueError(f"mode must be dense, sparse-current or lookahead, got {mode!r}")
+        if budget_tokens is not None and (budget_tokens < self.config.block_size or budget_tokens % self.config.block_size):
+            raise ValueError(f"budget_tokens must be a positive multiple of {self.config.block_size}, got {budget_tokens}")
+        plan = self.row_plan(len(prefill.prompt_ids), params.max_tokens, mode, budget_tokens)
         if plan.total > self.pool.num_rows:
             raise RequestTooLarge(
                 f"request {prefill.request_id} needs {plan.total} rows of the device KV pool "
                 f"({plan.total * self.pool.row_bytes / 2**20:.1f} MiB); the pool has {self.pool.num_rows}"
             )
         req = DecodeRequest(prefill.request_id, list(prefill.prompt_ids), params, [prefill.first_token],
-                            prefill.initial_selection, num_kv=len(prefill.prompt_ids))
+                            prefill.initial_selection, num_kv=len(prefill.prompt_ids), mode=mode, plan=plan)
         if not params.greedy:
             req.generator = make_generator(None if params.seed is None else params.seed + 1)
         self.waiting.append(req)
@@ -119,11 +129,10 @@ class DecodeEngine:
                 self.client.free(req.request_id)
                 finished.append(DecodeOutput(req.request_id, [], req.output_ids, req.text, True, req.finish_reason))
                 continue
-            plan = self.row_plan(len(req.prompt_ids), req.params.max_tokens)
-            if plan.total > self.pool.allocator.num_free:
+            if req.plan.total > self.pool.allocator.num_free:
                 break
             self.waiting.popleft()
-            self._admit(req, plan)
+            self._admit(req, req.plan)
             self.running.append(req)
         return finished
 
@@ -194,7 +203,7 @@ class DecodeEngine:
             pos = torch.arange(req.num_kv, req.num_kv + len(tokens))
             ids.extend(tokens)
             positions.append(pos)
-            step_reqs.append(StepRequest(req.ws, req.summaries, pos, len(draft.tokens)))
+            step_reqs.append(StepRequest(req.ws, req.summaries, pos, len(draft.tokens), req.mode, req.plan.budget))
         self._steps += 1
         self.backend.prepare(step_reqs, self._steps)
         device = self.config.device
@@ -209,7 +218,7 @@ class DecodeEngine:
             self.counters.drafts_accepted += len(emitted) - 1
             old_kv = req.num_kv
             req.num_kv += len(emitted)  # the last token and the accepted drafts now have K/V
-            if self.config.mode != "dense":
+            if req.mode != "dense":
                 self._write_back(req, old_kv)
             outputs.append(self._emit(req, emitted))
         self.counters.steps += 1

@@ -1,0 +1,63 @@
+"""One decode engine, several stores: store calls are routed by request id.
+
+The engine talks to a single client object; in a cluster each request's KV lives in the store
+the router chose, so the worker binds the request to that store's client on arrival.
+"""
+
+from __future__ import annotations
+
+from ..kvstore import connect
+
+
+class StoreDirectory:
+    def __init__(self, transport: str = "auto", timeout: float = 30.0):
+        self.transport = transport
+        self.timeout = timeout
+        self._clients: dict[str, object] = {}
+        self._by_request: dict[str, object] = {}
+        self._buffers = []
+
+    def client_for(self, address: str):
+        client = self._clients.get(address)
+        if client is None:
+            client = connect(address, transport=self.transport, timeout=self.timeout)
+            for buffer in self._buffers:
+                client.register(buffer)
+            self._clients[address] = client
+        return client
+
+    def bind(self, request_id: str, address: str) -> None:
+        self._by_request[request_id] = self.client_for(address)
+
+    def _client(self, request_id: str):
+        try:
+            return self._by_request[request_id]
+        except KeyError:
+            raise KeyError(f"request {request_id!r} is bound to no store") from None
+
+    def register(self, tensor) -> None:
+        self._buffers.append(tensor)
+        for client in self._clients.values():
+            client.register(tensor)
+
+    def read_blocks(self, request_id, *args, **kwargs):
+        return self._client(request_id).read_blocks(request_id, *args, **kwargs)
+
+    def write_blocks(self, request_id, *args, **kwargs):
+        return self._client(request_id).write_blocks(request_id, *args, **kwargs)
+
+    def extend(self, request_id, num_tokens):
+        return self._client(request_id).extend(request_id, num_tokens)
+
+    def read_summaries(self, request_id, *args, **kwargs):
+        return self._client(request_id).read_summaries(request_id, *args, **kwargs)
+
+    def free(self, request_id) -> None:
+        client = self._by_request.pop(request_id, None)
+        if client is not None:
+            client.free(request_id)
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            client.close()
+        self._clients.clear()
