@@ -1,0 +1,39 @@
+"""Host-memory store of every request's full KV cache and key summaries.
+
+Public API:
+    KVLayout, KVStoreConfig, KVStore, KVStoreServer, KVStoreClient, connect, TransferHandle,
+    summarize_keys / summarize_layer / summarize_request / block_scores, pack_layer / pack_request,
+    errors (StoreFull, UnknownRequest, ...), launch_store_actor (Ray).
+"""
+
+from .client import KVStoreClient, connect
+from .config import KVStoreConfig
+from .errors import (
+    BlockOutOfRange,
+    InvalidArgument,
+    KVStoreError,
+    ProtocolError,
+    RemoteError,
+    RequestExists,
+    StoreFull,
+    StoreTimeout,
+    StoreUnavailable,
+    TransferError,
+    UnknownRequest,
+)
+from .hostmem import alloc_host_buffer
+from .layout import KVLayout, pack_layer, pack_request, unpack_units
+from .ray_actor import KVStoreActor, launch_store_actor
+from .server import KVStoreServer
+from .store import KVStore, RequestInfo, StoreStats
+from .summary import block_scores, summarize_keys, summarize_layer, summarize_request
+from .transport import TransferHandle
+
+__all__ = [
+    "BlockOutOfRange", "InvalidArgument", "KVLayout", "KVStore", "KVStoreActor", "KVStoreClient",
+    "KVStoreConfig", "KVStoreError", "KVStoreServer", "ProtocolError", "RemoteError", "RequestExists",
+    "RequestInfo", "StoreFull", "StoreStats", "StoreTimeout", "StoreUnavailable", "TransferError",
+    "TransferHandle", "UnknownRequest", "alloc_host_buffer", "block_scores", "connect",
+    "launch_store_actor", "pack_layer", "pack_request", "summarize_keys", "summarize_layer",
+    "summarize_request", "unpack_units",
+]

@@ -1,0 +1,263 @@
+"""NIXL transport: TCP control plane, one-sided NIXL READ/WRITE data plane.
+
+A client learns the store's agent metadata and arena base address in the handshake and, per
+request, the block table (cached; dropped when the store says the request was freed). It then
+computes every unit's remote address itself and moves a whole batch with one transfer. See
+nixl_agents.py for the measured facts behind the choices.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .errors import InvalidArgument, KVStoreError, ProtocolError, StoreTimeout, StoreUnavailable, TransferError
+from .hostmem import merge_runs
+from .layout import KVLayout
+from .nixl_agents import NixlInitiator, nixl_available, nixl_errors
+from .protocol import index_payload
+from .store import RequestInfo
+from .tcp import TcpTransport
+from .transport import CompletedHandle, TransferHandle
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NixlHandle", "NixlTransport", "nixl_available"]
+
+
+class NixlHandle(TransferHandle):
+    """A NIXL transfer; a write also waits for the store to summarize what landed."""
+
+    def __init__(self, transport: "NixlTransport", xfer: Any, state: str, transient: Any, num_units: int,
+                 nbytes: int, keepalive: torch.Tensor, commit: Callable[[], concurrent.futures.Future] | None):
+        super().__init__(num_units, nbytes, transport.timeout)
+        self._transport = transport
+        self._xfer = xfer
+        self._transient = transient
+        self._state = state
+        self._keepalive = keepalive
+        self._commit = commit
+        self._commit_future: concurrent.futures.Future | None = None
+        self._error: KVStoreError | None = None
+        self._finished = False
+
+    def done(self) -> bool:
+        if self._error is not None:
+            raise self._error
+        if self._finished:
+            return True
+        initiator = self._transport.initiator
+        if self._xfer is not None:
+            try:
+                state = "DONE" if self._state == "DONE" else initiator.state(self._xfer)
+            except nixl_errors() as exc:
+                state = f"ERR ({type(exc).__name__}: {exc})"
+            if state == "PROC":
+                return False
+            initiator.release(self._xfer, self._transient)
+            self._xfer = self._transient = None
+            if state != "DONE":
+                self._transport.forget_all()
+                self._fail(TransferError(
+                    f"NIXL transfer of {self.num_units} units failed, state {state} "
+                    f"(store {self._transport.address} stopped or restarted?)",
+                    address=self._transport.address,
+                ))
+        if self._commit is not None:
+            if self._commit_future is None:
+                try:
+                    self._commit_future = self._commit()
+                except KVStoreError as exc:
+                    self._fail(exc)
+            if not self._commit_future.done():
+                return False
+            try:
+                self._commit_future.result()
+            except KVStoreError as exc:
+                self._fail(exc)
+        self._finished = True
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        try:
+            super().wait(timeout)
+        except StoreTimeout:
+            if self._xfer is not None:  # abort: NIXL cancels an unfinished transfer on release
+                self._transport.initiator.release(self._xfer, self._transient)
+                self._xfer = self._transient = None
+            raise
+
+    def _fail(self, error: KVStoreError) -> None:
+        self._error = error
+        raise error
+
+
+class NixlTransport(TcpTransport):
+    """TCP control plane + one-sided NIXL data plane."""
+
+    name = "nixl"
+    MAX_CACHED_TABLES = 4096
+
+    def __init__(self, address: str | tuple[str, int], timeout: float = 30.0, client_name: str | None = None):
+        client_name = client_name or f"oasiskv-client-{uuid.uuid4().hex[:12]}"
+        self.initiator = NixlInitiator(client_name)
+        self._tables: OrderedDict[str, tuple[RequestInfo, np.ndarray]] = OrderedDict()
+        self._tables_lock = threading.Lock()
+        self._reads: dict[str, list[int]] = {}  # request id -> [units, bytes] not yet reported
+        self._reads_lock = threading.Lock()
+        self._stop_reports = threading.Event()
+        super().__init__(address, timeout, client_name)
+        self.restart_listeners.append(self.forget_all)
+        if not self.hello.get("nixl"):
+            self.close()
+            raise StoreUnavailable(f"store at {self.address} does not serve NIXL (started with transport=tcp)", address=self.address)
+        # Often enough to keep requests in use alive well inside the store's TTL.
+        self._report_interval = min(1.0, float(self.hello.get("ttl_s", 600.0)) / 4)
+        self._reporter = threading.Thread(target=self._report_loop, name="kvstore-nixl-report", daemon=True)
+        self._reporter.start()
+
+    def _hello_request(self) -> tuple[dict[str, Any], list[Any]]:
+        header, _ = super()._hello_request()
+        return {**header, "nixl": True}, [self.initiator.metadata]
+
+    def _on_hello(self, reply: dict[str, Any], data: bytes) -> None:
+        info = reply.get("nixl")
+        if info:
+            self.initiator.connect(data, int(info["arena_base"]), int(info["arena_bytes"]))
+
+    # --- control plane: keep the block-table cache in step --------------------------------
+
+    def allocate(self, request_id: str, layout: KVLayout, num_tokens: int) -> RequestInfo:
+        self.forget(request_id)
+        return super().allocate(request_id, layout, num_tokens)
+
+    def extend(self, request_id: str, num_tokens: int) -> RequestInfo:
+        self.forget(request_id)
+        return super().extend(request_id, num_tokens)
+
+    def free(self, request_id: str) -> None:
+        self.forget(request_id)
+        super().free(request_id)
+
+    def register(self, tensor: torch.Tensor) -> None:
+        self.initiator.register(tensor)
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        self.initiator.unregister(tensor)
+
+    def stats(self) -> dict[str, Any]:
+        self._report_reads(wait=True)
+        return super().stats()
+
+    def metrics_text(self) -> str:
+        self._report_reads(wait=True)
+        return super().metrics_text()
+
+    def forget(self, request_id: str) -> None:
+        with self._tables_lock:
+            self._tables.pop(request_id, None)
+
+    def forget_all(self) -> None:
+        with self._tables_lock:
+            self._tables.clear()
+
+    def _table(self, request_id: str, needed_blocks: int) -> tuple[RequestInfo, np.ndarray]:
+        for freed in self.initiator.drain_notifications():
+            self.forget(freed)
+        with self._tables_lock:
+            cached = self._tables.get(request_id)
+            if cached is not None:
+                self._tables.move_to_end(request_id)
+        if cached is None or cached[1].size < needed_blocks:
+            cached = self.describe_table(request_id)
+            with self._tables_lock:
+                self._tables[request_id] = cached
+                while len(self._tables) > self.MAX_CACHED_TABLES:
+                    self._tables.popitem(last=False)
+        return cached
+
+    # --- data plane ----------------------------------------------------------------------
+
+    def read(self, request_id: str, layout: KVLayout, layers: np.ndarray, heads: np.ndarray, blocks: np.ndarray,
+             buffer: torch.Tensor, offsets: np.ndarray) -> TransferHandle:
+        return self._transfer("READ", request_id, layout, layers, heads, blocks, buffer, offsets)
+
+    def write(self, request_id: str, layout: KVLayout, layers: np.ndarray, heads: np.ndarray, blocks: np.ndarray,
+              buffer: torch.Tensor, offsets: np.ndarray) -> TransferHandle:
+        return self._transfer("WRITE", request_id, layout, layers, heads, blocks, buffer, offsets)
+
+    def _transfer(self, op: str, request_id: str, layout: KVLayout, layers: np.ndarray, heads: np.ndarray,
+                  blocks: np.ndarray, buffer: torch.Tensor, offsets: np.ndarray, retry: bool = True) -> TransferHandle:
+        n = layers.size
+        info, table = self._table(request_id, int(blocks.max()) + 1 if n else 0)
+        if info.layout.unit_bytes != layout.unit_bytes:  # the id was reused for another geometry
+            raise InvalidArgument(
+                f"request {request_id!r} has {info.layout.unit_bytes}-byte units, the client assumed {layout.unit_bytes}",
+                unit_bytes=info.layout.unit_bytes,
+            )
+        layout = info.layout
+        if n == 0:
+            return CompletedHandle(0, 0)
+        layout.check_units(layers, heads, blocks, table.size)
+        unit = layout.unit_bytes
+        remote = layout.unit_offsets(table, layers, heads, blocks)
+        if int(remote.max()) + unit > self.initiator.arena_bytes:
+            raise ProtocolError(f"block table of {request_id!r} points outside the store's arena")
+        remote_starts, local_starts, lengths = merge_runs(remote, offsets, unit)
+        if op == "READ":
+            commit = None
+        else:
+            idx = index_payload(layers, heads, blocks)
+
+            def commit() -> concurrent.futures.Future:
+                return self._submit({"op": "commit", "rid": request_id, "n": n}, [idx], None)
+
+        try:
+            xfer, state, transient = self.initiator.post(op, buffer, local_starts, remote_starts, lengths)
+        except nixl_errors() as exc:  # e.g. nixlRemoteDisconnectError: the store process is gone
+            self.forget_all()
+            if retry:
+                # Reconnect through the control plane (StoreUnavailable if the store is gone; a
+                # restarted store's new agent otherwise), then try once more with fresh tables.
+                self._call({"op": "ping"})
+                return self._transfer(op, request_id, layout, layers, heads, blocks, buffer, offsets, retry=False)
+            error = StoreUnavailable if "Disconnect" in type(exc).__name__ else TransferError
+            raise error(f"NIXL {op} to store at {self.address} failed: {type(exc).__name__}: {exc}", address=self.address) from None
+        if op == "READ":
+            with self._reads_lock:
+                counts = self._reads.setdefault(request_id, [0, 0])
+                counts[0] += n
+                counts[1] += n * unit
+        return NixlHandle(self, xfer, state, transient, n, n * unit, buffer, commit)
+
+    def _report_loop(self) -> None:
+        while not self._stop_reports.wait(self._report_interval):
+            self._report_reads(wait=False)
+
+    def _report_reads(self, wait: bool) -> None:
+        """Tell the store what was read since the last report (metrics + TTL refresh)."""
+        with self._reads_lock:
+            reads, self._reads = self._reads, {}
+        if not reads:
+            return
+        try:
+            future = self._submit({"op": "report", "reads": reads}, [], None)
+            if wait:
+                future.result(2 * self.timeout)
+        except (KVStoreError, concurrent.futures.TimeoutError) as exc:
+            log.debug("read report not delivered: %s", exc)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._stop_reports.set()
+        self._report_reads(wait=True)
+        super().close()
+        self.initiator.close()

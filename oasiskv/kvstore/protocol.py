@@ -1,0 +1,166 @@
+"""Wire format shared by the TCP and NIXL transports (control plane; data too for TCP).
+
+One frame:
+
+    prefix   16 bytes   b"OKV1", u32 header length, u64 payload length (big-endian)
+    header   JSON object, UTF-8 ("op" on requests, "ok" on replies, "error" on failures)
+    payload  raw bytes: index arrays (little-endian int32) and KV / summary data
+
+No pickle: a peer can only make the other side parse JSON and copy bytes into ranges it has
+already validated. Lengths are checked before anything is read, a frame that stops midway is a
+ProtocolError (the connection is dropped), and errors travel as {"ok": false, "error": {...}}
+and are re-raised as the same KVStoreError subclass on the other side.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import BlockOutOfRange, KVStoreError, ProtocolError
+
+MAGIC = b"OKV1"
+PREFIX = struct.Struct("!4sIQ")
+MAX_HEADER_BYTES = 1 << 20
+MAX_PAYLOAD_BYTES = 1 << 40
+VERSION = 1
+
+
+class ConnectionClosed(Exception):
+    """The peer closed the connection between frames (a normal end, not an error)."""
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], payloads: Sequence[Any] = ()) -> None:
+    views = [memoryview(p).cast("B") for p in payloads]
+    head = encode_header(header)
+    total = sum(v.nbytes for v in views)
+    send_views(sock, [memoryview(PREFIX.pack(MAGIC, len(head), total) + head)] + views)
+
+
+_IOV_BATCH = 512  # below IOV_MAX (1024) on Linux
+
+
+def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+    """sendall for many buffers: gathered sendmsg calls instead of one syscall per buffer."""
+    views = [v for v in views if v.nbytes]
+    i = 0
+    while i < len(views):
+        batch = views[i:i + _IOV_BATCH]
+        sent = sock.sendmsg(batch)
+        # Partial send: skip the fully sent buffers, finish the cut one with sendall.
+        for view in batch:
+            if sent >= view.nbytes:
+                sent -= view.nbytes
+                i += 1
+                continue
+            sock.sendall(view[sent:])
+            i += 1
+            break
+
+
+def send_error(sock: socket.socket, error: KVStoreError, request_seq: int | None = None) -> None:
+    header: dict[str, Any] = {"ok": False, "error": error.to_wire()}
+    if request_seq is not None:
+        header["seq"] = request_seq
+    send_frame(sock, header)
+
+
+def recv_into(sock: socket.socket, view: memoryview, what: str = "frame") -> None:
+    """Fill view completely; a peer that stops early makes a ProtocolError."""
+    got = 0
+    total = view.nbytes
+    while got < total:
+        n = sock.recv_into(view[got:], total - got)
+        if n == 0:
+            raise ProtocolError(f"truncated {what}: connection closed after {got} of {total} bytes", received=got, expected=total)
+        got += n
+
+
+class Payload:
+    """The payload of one received frame, consumed in order."""
+
+    def __init__(self, sock: socket.socket, length: int):
+        self.sock = sock
+        self.remaining = length
+
+    def read_bytes(self, n: int) -> bytearray:
+        self._take(n)
+        buf = bytearray(n)
+        recv_into(self.sock, memoryview(buf), "payload")
+        return buf
+
+    def read_into(self, view: memoryview) -> None:
+        self._take(view.nbytes)
+        recv_into(self.sock, view, "payload")
+
+    def read_indices(self, n: int, count: int = 3) -> list[np.ndarray]:
+        """`count` little-endian int32 arrays of length n."""
+        raw = self.read_bytes(4 * n * count)
+        data = np.frombuffer(raw, dtype="<i4").astype(np.int64)
+        return [data[i * n:(i + 1) * n] for i in range(count)]
+
+    def drain(self) -> None:
+        """Discard what is left (keeps the stream in step after a refused request)."""
+        scratch = bytearray(min(self.remaining, 1 << 20) or 1)
+        while self.remaining:
+            n = min(self.remaining, len(scratch))
+            self.remaining -= n
+            recv_into(self.sock, memoryview(scratch)[:n], "payload")
+
+    def _take(self, n: int) -> None:
+        if n > self.remaining:
+            raise ProtocolError(f"payload too short: need {n} more bytes, frame has {self.remaining}")
+        self.remaining -= n
+
+
+def recv_frame_header(sock: socket.socket, frame_timeout: float | None) -> tuple[dict[str, Any], Payload]:
+    """Read prefix + header. Waits indefinitely (or the socket's timeout) for the first byte,
+    then at most frame_timeout for the rest of the header."""
+    prefix = bytearray(PREFIX.size)
+    first = sock.recv_into(prefix, PREFIX.size)
+    if first == 0:
+        raise ConnectionClosed()
+    saved_timeout = sock.gettimeout()
+    if frame_timeout is not None:
+        sock.settimeout(frame_timeout)
+    try:
+        if first < PREFIX.size:
+            recv_into(sock, memoryview(prefix)[first:], "frame prefix")
+        magic, header_len, payload_len = PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad frame magic {bytes(magic)!r} (not an OasisKV peer?)")
+        if header_len > MAX_HEADER_BYTES or payload_len > MAX_PAYLOAD_BYTES:
+            raise ProtocolError(f"oversized frame: header {header_len} B, payload {payload_len} B")
+        raw = bytearray(header_len)
+        recv_into(sock, memoryview(raw), "frame header")
+        try:
+            header = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ProtocolError(f"frame header is not JSON: {exc}") from None
+        if not isinstance(header, dict):
+            raise ProtocolError("frame header must be a JSON object")
+    except BaseException:
+        sock.settimeout(saved_timeout)
+        raise
+    # The payload that follows is read under frame_timeout too; the caller restores the idle
+    # timeout once the whole frame is consumed.
+    return header, Payload(sock, payload_len)
+
+
+def index_payload(layers: np.ndarray, heads: np.ndarray, blocks: np.ndarray) -> bytes:
+    """Unit indices as one little-endian int32 buffer (the inverse of Payload.read_indices)."""
+    for name, array in (("layer", layers), ("kv_head", heads), ("block", blocks)):
+        # Narrowing to int32 must not wrap a huge index onto a valid one.
+        wide = (array < -(1 << 31)) | (array >= (1 << 31))
+        if wide.any():
+            first = int(array[np.argmax(wide)])
+            raise BlockOutOfRange(f"{name} index {first} out of range", index_kind=name, index=first)
+    return np.concatenate((layers, heads, blocks)).astype("<i4").tobytes()

@@ -1,0 +1,376 @@
+"""The store server: a KVStore behind a TCP control/data socket and, optionally, NIXL.
+
+Threads, all daemons: one accepts connections, one per connection serves frames in order, one
+expires requests past their TTL, and (with NIXL) one progresses the NIXL agent. A misbehaving
+client only ever loses its own connection: every frame is length-checked before it is read, a
+frame that stops midway times out, and handler errors go back as error frames.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+
+from .config import KVStoreConfig
+from .errors import InvalidArgument, KVStoreError, ProtocolError, RemoteError
+from .hostmem import byte_view, merge_runs
+from .layout import KVLayout
+from .protocol import VERSION, ConnectionClosed, Payload, recv_frame_header, send_error, send_frame
+from .store import KVStore, check_unit_bytes
+
+log = logging.getLogger(__name__)
+
+Reply = tuple[dict[str, Any], list[Any]]
+
+
+class _Connection:
+    def __init__(self, sock: socket.socket, peer: str):
+        self.sock = sock
+        self.peer = peer
+        self.nixl_peer: str | None = None  # remote NIXL agent name, if the client sent metadata
+
+
+class KVStoreServer:
+    def __init__(self, config: KVStoreConfig | None = None, **overrides: Any):
+        if config is None:
+            config = KVStoreConfig(**overrides)
+        elif overrides:
+            config = config.model_copy(update=overrides)
+            config = KVStoreConfig.model_validate(config.model_dump())
+        self.config = config
+        self.store_id = uuid.uuid4().hex[:16]
+        self.store = KVStore.from_config(config)
+        self.metrics = self.store.metrics
+        self.nixl = None  # NixlTarget when NIXL is served
+        self._listener: socket.socket | None = None
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._connections: set[_Connection] = set()
+        self._conn_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._metrics_http = None
+        self._handlers: dict[str, Callable[[_Connection, dict[str, Any], Payload], Reply | None]] = {
+            "hello": self._hello,
+            "ping": lambda conn, h, p: ({}, []),
+            "allocate": self._allocate,
+            "extend": self._extend,
+            "describe": self._describe,
+            "free": self._free,
+            "touch": self._touch,
+            "read": self._read,
+            "write": self._write,
+            "commit": self._commit,
+            "report": self._report,
+            "summaries": self._summaries,
+            "stats": self._stats,
+            "metrics": lambda conn, h, p: ({"text": self.metrics.text()}, []),
+        }
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> str:
+        """Bind, start serving, return the address clients connect to ("host:port")."""
+        if self.config.transport == "nixl":
+            from .nixl_agents import NixlTarget, nixl_available
+
+            if nixl_available():
+                self.nixl = NixlTarget(self.store, f"oasiskv-store-{self.store_id}", self.config.nixl_poll_interval_s)
+            else:
+                log.warning("NIXL is not importable; the store serves TCP only")
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.config.host, self.config.port))
+        listener.listen(128)
+        listener.settimeout(0.2)  # lets the accept loop notice stop()
+        self._listener = listener
+        if self.config.metrics_port is not None:
+            self._metrics_http = self.metrics.serve_http(self.config.metrics_port, self.config.host)
+        self._spawn(self._accept_loop, "kvstore-accept")
+        self._spawn(self._expire_loop, "kvstore-ttl")
+        return self.address
+
+    @property
+    def port(self) -> int:
+        assert self._listener is not None, "server not started"
+        return self._listener.getsockname()[1]
+
+    @property
+    def address(self) -> str:
+        host = self.config.advertise_host or self.config.host
+        if host in ("0.0.0.0", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        return f"{host}:{self.port}"
+
+    @property
+    def serves_nixl(self) -> bool:
+        return self.nixl is not None
+
+    def metrics_text(self) -> str:
+        return self.metrics.text()
+
+    def serve_forever(self) -> None:
+        """Block until stop() (from a signal handler or another thread)."""
+        while not self._stopping.wait(0.5):
+            pass
+        self._stopped.wait(10)
+
+    def stop(self) -> None:
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self._listener is not None:
+            self._listener.close()
+        with self._conn_lock:
+            connections = list(self._connections)
+        for conn in connections:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.sock.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        if self.nixl is not None:
+            self.nixl.close()
+        if self._metrics_http is not None:
+            server, _thread = self._metrics_http
+            server.shutdown()
+            server.server_close()
+        self._stopped.set()
+
+    def __enter__(self) -> "KVStoreServer":
+        if self._listener is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- loops ---------------------------------------------------------------------------
+
+    def _spawn(self, target: Callable[..., None], name: str, *args: Any) -> threading.Thread:
+        thread = threading.Thread(target=target, name=name, args=args, daemon=True)
+        thread.start()
+        if not name.startswith("kvstore-conn"):
+            self._threads.append(thread)
+        return thread
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopping.is_set():
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            with self._conn_lock:
+                if len(self._connections) >= self.config.max_connections:
+                    sock.close()
+                    self.metrics.errors.labels("TooManyConnections").inc()
+                    continue
+                conn = _Connection(sock, f"{addr[0]}:{addr[1]}")
+                self._connections.add(conn)
+                self.metrics.connections.set(len(self._connections))
+            self._spawn(self._serve_connection, f"kvstore-conn-{conn.peer}", conn)
+
+    def _expire_loop(self) -> None:
+        interval = min(1.0, self.config.ttl_s / 4)
+        while not self._stopping.wait(interval):
+            expired = self.store.expire()
+            if expired:
+                log.info("expired %d idle requests", len(expired))
+
+    def _serve_connection(self, conn: _Connection) -> None:
+        sock = conn.sock
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            while not self._stopping.is_set():
+                sock.settimeout(None)  # idle between frames: wait as long as the client likes
+                try:
+                    header, payload = recv_frame_header(sock, self.config.frame_timeout_s)
+                except ConnectionClosed:
+                    return
+                if not self._serve_frame(conn, header, payload):
+                    return
+        except ProtocolError as exc:
+            # Garbage or a frame that stopped midway: the stream cannot be trusted any more.
+            self.metrics.errors.labels("ProtocolError").inc()
+            log.info("dropping %s: %s", conn.peer, exc.message)
+            try:
+                send_error(sock, exc)
+            except OSError:
+                pass
+        except OSError as exc:  # reset, timeout mid-frame, or our own stop()
+            if not self._stopping.is_set():
+                self.metrics.errors.labels("ConnectionLost").inc()
+                log.info("connection %s lost: %s", conn.peer, exc)
+        finally:
+            self._close_connection(conn)
+
+    def _serve_frame(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> bool:
+        """Handle one request frame; False ends the connection."""
+        seq = header.get("seq")
+        try:
+            handler = self._handlers.get(str(header.get("op")))
+            if handler is None:
+                raise InvalidArgument(f"unknown op {header.get('op')!r}")
+            reply = handler(conn, header, payload)
+            payload.drain()
+            if reply is not None:
+                reply_header, reply_payloads = reply
+                send_frame(conn.sock, {"ok": True, "seq": seq, **reply_header}, reply_payloads)
+        except ProtocolError:
+            raise
+        except KVStoreError as exc:
+            if not _counted(exc):
+                self.metrics.errors.labels(type(exc).__name__).inc()
+            payload.drain()
+            send_error(conn.sock, exc, seq)
+        except (KeyError, TypeError, ValueError) as exc:
+            self.metrics.errors.labels("InvalidArgument").inc()
+            payload.drain()
+            send_error(conn.sock, InvalidArgument(f"malformed {header.get('op')!r} request: {exc!r}"), seq)
+        except OSError:
+            raise
+        except Exception as exc:  # a bug here must not take the store down
+            log.exception("error serving %s", header.get("op"))
+            self.metrics.errors.labels("RemoteError").inc()
+            payload.drain()
+            send_error(conn.sock, RemoteError(f"{type(exc).__name__}: {exc}"), seq)
+        return True
+
+    def _close_connection(self, conn: _Connection) -> None:
+        with self._conn_lock:
+            self._connections.discard(conn)
+            self.metrics.connections.set(len(self._connections))
+        if conn.nixl_peer is not None and self.nixl is not None:
+            self.nixl.remove_peer(conn.nixl_peer)
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+
+    # --- handlers ------------------------------------------------------------------------
+
+    def _hello(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
+        if int(header.get("version", -1)) != VERSION:
+            raise InvalidArgument(f"protocol version {header.get('version')} not supported (store speaks {VERSION})")
+        reply: dict[str, Any] = {
+            "store_id": self.store_id,
+            "version": VERSION,
+            "capacity_bytes": self.store.capacity_bytes,
+            "block_size": self.store.block_size,
+            "ttl_s": self.store.ttl_s,
+            "nixl": None,
+        }
+        payloads: list[Any] = []
+        wants_nixl = bool(header.get("nixl"))
+        if wants_nixl and self.nixl is not None:
+            metadata = payload.read_bytes(payload.remaining)
+            if metadata:
+                conn.nixl_peer = self.nixl.add_peer(bytes(metadata))
+            reply["nixl"] = {
+                "agent": self.nixl.name,
+                "arena_base": self.store.base,
+                "arena_bytes": self.store.capacity_bytes,
+            }
+            payloads = [self.nixl.metadata]
+        return reply, payloads
+
+    def _allocate(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
+        info = self.store.allocate(str(header["rid"]), KVLayout.from_wire(header["layout"]), int(header["num_tokens"]))
+        return {"info": info.to_wire()}, []
+
+    def _extend(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
+        info = self.store.extend(str(header["rid"]), int(header["num_tokens"]))
+        return {"info": info.to_wire()}, []
+
+    def _describe(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
+        info, table = self.store.describe(str(header["rid"]))
+        return {"info": info.to_wire()}, [table.astype("<i8").tobytes()]
+
+    def _free(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
+        self.store.free(str(header["rid"]))
+        return {}, []
+
+    def _touch(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
+        return {"unknown": self.store.touch([str(r) for r in header["rids"]])}, []
+
+    def _stats(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
+        stats = self.store.stats()
+        return {"stats": {**stats.__dict__, "store_id": self.store_id, "nixl": self.serves_nixl}}, []
+
+    def _read(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> None:
+        n = _count(header)
+        layers, heads, blocks = payload.read_indices(n)
+        with self.store.pinned(str(header["rid"])) as request:
+            check_unit_bytes(request, header.get("unit_bytes"))
+            _, _, _, offsets = self.store.unit_offsets(request, layers, heads, blocks)
+            unit = request.layout.unit_bytes
+            addresses, lengths = self.store.arena_runs(offsets, unit)
+            # Sent straight from the arena while the request is pinned: no staging copy.
+            views = [byte_view(a, l) for a, l in zip(addresses.tolist(), lengths.tolist())]
+            send_frame(conn.sock, {"ok": True, "seq": header.get("seq"), "nbytes": n * unit}, views)
+        self.store.record_read(n, n * unit, "tcp")
+        return None
+
+    def _write(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
+        n = _count(header)
+        layers, heads, blocks = payload.read_indices(n)
+        with self.store.pinned(str(header["rid"])) as request:
+            check_unit_bytes(request, header.get("unit_bytes"))
+            layers, heads, blocks, offsets = self.store.unit_offsets(request, layers, heads, blocks)
+            unit = request.layout.unit_bytes
+            if payload.remaining != n * unit:
+                raise InvalidArgument(f"write of {n} units needs {n * unit} data bytes, frame has {payload.remaining}")
+            # Received straight into the arena; duplicates would land twice, harmlessly.
+            starts, _, lengths = merge_runs(offsets, np.arange(n, dtype=np.int64) * unit, unit)
+            for start, length in zip((starts + self.store.base).tolist(), lengths.tolist()):
+                payload.read_into(byte_view(start, length))
+            self.store.summarize(request, layers, heads, blocks)
+        self.store.record_write(n, n * unit, "tcp")
+        return {}, []
+
+    def _commit(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
+        """After a client's NIXL WRITE landed: summarize the units and count them."""
+        n = _count(header)
+        layers, heads, blocks = payload.read_indices(n)
+        with self.store.pinned(str(header["rid"])) as request:
+            layers, heads, blocks, _ = self.store.unit_offsets(request, layers, heads, blocks)
+            self.store.summarize(request, layers, heads, blocks)
+            unit = request.layout.unit_bytes
+        self.store.record_write(n, n * unit, "nixl")
+        return {}, []
+
+    def _report(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
+        """A NIXL client's tally of one-sided reads: count them and refresh the requests' TTL."""
+        reads = header["reads"]
+        for units, nbytes in reads.values():
+            self.store.record_read(int(units), int(nbytes), "nixl")
+        self.store.touch([str(r) for r in reads])
+        return {}, []
+
+    def _summaries(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
+        num_blocks = header.get("num_blocks")
+        summaries = self.store.read_summaries(
+            str(header["rid"]), int(header.get("first_block", 0)), None if num_blocks is None else int(num_blocks)
+        )
+        return {"shape": list(summaries.shape)}, [summaries.numpy().view(np.uint8).reshape(-1)]
+
+
+def _count(header: dict[str, Any]) -> int:
+    n = int(header["n"])
+    if n < 0 or n > (1 << 31) - 1:
+        raise InvalidArgument(f"bad unit count {n}")
+    return n
+
+
+def _counted(exc: KVStoreError) -> bool:
+    # The store already counts the errors it raises itself.
+    return type(exc).__name__ in ("UnknownRequest", "BlockOutOfRange", "StoreFull")

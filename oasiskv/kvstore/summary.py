@@ -1,0 +1,95 @@
+"""Key summaries and the block score computed from them.
+
+A block's summary, per layer and KV head, is the element-wise min and max of its post-RoPE keys
+over the block's tokens: the smallest box containing every key of the block. For a query q,
+
+    q . k = sum_d q_d k_d  <=  sum_d max(q_d * min_d, q_d * max_d)
+
+for every key k in the box, so this is an upper bound of the block's largest attention logit
+(before scaling). With center c = (min+max)/2 and radius r = (max-min)/2,
+max(q_d min_d, q_d max_d) = q_d c_d + |q_d| r_d, so the bound is two dot products, and its sum
+over the query heads of a GQA group is (sum_g q_g) . c + (sum_g |q_g|) . r: two matmuls for
+all blocks at once.
+
+Summaries are float32, shape [layers, kv_heads, blocks, 2 (min, max), head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import InvalidArgument
+
+# Dtypes torch reduces natively on CPU and that can hold +-inf (float8 can do neither).
+_NATIVE_MINMAX = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def summarize_keys(keys: torch.Tensor, valid_tokens: int | torch.Tensor | None = None) -> torch.Tensor:
+    """[..., block_size, head_dim] keys -> [..., 2, head_dim] float32 (min, max over tokens).
+
+    valid_tokens (int, or a tensor broadcastable to keys.shape[:-2]) excludes the padding rows of
+    a partly filled block; every summarized block must have at least one valid token.
+    """
+    if keys.dtype not in _NATIVE_MINMAX:
+        keys = keys.float()
+    # min/max are exact in any dtype, so reducing natively and widening the result is
+    # bit-identical to widening first, and several times faster (amin+amax beat aminmax too).
+    if valid_tokens is None:
+        return torch.stack((keys.amin(dim=-2), keys.amax(dim=-2)), dim=-2).float()
+    rows = torch.arange(keys.shape[-2], device=keys.device)
+    valid = torch.as_tensor(valid_tokens, device=keys.device)
+    padding = (rows >= valid.unsqueeze(-1)).unsqueeze(-1)  # [..., block_size, 1]
+    lo = keys.masked_fill(padding, float("inf")).amin(dim=-2)
+    hi = keys.masked_fill(padding, float("-inf")).amax(dim=-2)
+    return torch.stack((lo, hi), dim=-2).float()
+
+
+def summarize_layer(keys: torch.Tensor, block_size: int = 16) -> torch.Tensor:
+    """[tokens, kv_heads, head_dim] keys of one layer -> [kv_heads, blocks, 2, head_dim]."""
+    tokens, heads, head_dim = keys.shape
+    blocks = -(-tokens // block_size)
+    padded = keys.new_zeros((blocks * block_size, heads, head_dim))
+    padded[:tokens] = keys
+    per_block = padded.view(blocks, block_size, heads, head_dim).permute(2, 0, 1, 3)
+    valid = (tokens - torch.arange(blocks, device=keys.device) * block_size).clamp(max=block_size)
+    return summarize_keys(per_block, valid)
+
+
+def summarize_request(keys: torch.Tensor, block_size: int = 16) -> torch.Tensor:
+    """[layers, tokens, kv_heads, head_dim] -> [layers, kv_heads, blocks, 2, head_dim]."""
+    return torch.stack([summarize_layer(layer_keys, block_size) for layer_keys in keys])
+
+
+def block_scores(queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    """Upper bound of q . k in every block, summed over the query heads of each GQA group.
+
+    queries:   [..., num_q_heads, head_dim]  (any leading dims: draft rows, requests...)
+    summaries: [kv_heads, blocks, 2, head_dim]  (one layer)
+    returns    [..., kv_heads, blocks] float32
+    """
+    kv_heads, _, two, head_dim = summaries.shape
+    q_heads = queries.shape[-2]
+    if two != 2 or queries.shape[-1] != head_dim or q_heads % kv_heads:
+        raise InvalidArgument(
+            f"queries {tuple(queries.shape)} do not fit summaries {tuple(summaries.shape)} "
+            "(need [..., q_heads, head_dim] with q_heads a multiple of kv_heads)"
+        )
+    q = queries.float().reshape(*queries.shape[:-2], kv_heads, q_heads // kv_heads, head_dim)
+    q_sum = q.sum(dim=-2)
+    q_abs = q.abs().sum(dim=-2)
+    lo = summaries[..., 0, :].float()
+    hi = summaries[..., 1, :].float()
+    center = (lo + hi) * 0.5
+    radius = (hi - lo) * 0.5
+    return torch.einsum("...hd,hbd->...hb", q_sum, center) + torch.einsum("...hd,hbd->...hb", q_abs, radius)
+
+
+def block_scores_reference(queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
+    """The bound written literally, sum_d max(q_d*min_d, q_d*max_d); for tests and checks."""
+    kv_heads = summaries.shape[0]
+    q_heads = queries.shape[-2]
+    group = q_heads // kv_heads
+    q = queries.float().reshape(*queries.shape[:-2], kv_heads, group, 1, queries.shape[-1])
+    lo = summaries[:, None, :, 0, :].float()  # [kv_heads, 1, blocks, head_dim]
+    hi = summaries[:, None, :, 1, :].float()
+    return torch.maximum(q * lo, q * hi).sum(dim=-1).sum(dim=-2)

@@ -1,0 +1,42 @@
+"""The standalone command and the configuration model."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from pydantic import ValidationError
+
+from oasiskv.kvstore import KVStoreConfig
+
+from .helpers import REPO_ROOT, store_process
+
+
+def test_config_defaults_and_validation():
+    config = KVStoreConfig()
+    assert config.capacity_bytes == 1 << 30 and config.block_size == 16 and config.transport == "nixl"
+    assert KVStoreConfig(capacity_gb=0.5).capacity_bytes == 1 << 29
+    for bad in ({"capacity_bytes": 0}, {"port": 70000}, {"transport": "carrier-pigeon"}, {"ttl_s": -1}, {"capacity": 5}):
+        with pytest.raises(ValidationError):
+            KVStoreConfig(**bad)
+
+
+def test_command_serves_metrics_and_stops_cleanly_on_sigterm():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        metrics_port = probe.getsockname()[1]
+    with store_process("--metrics-port", str(metrics_port), "--transport", "tcp") as (proc, address):
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert "oasiskv_kvstore_capacity_bytes" in text and "oasiskv_kvstore_free_bytes" in text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+
+
+def test_command_rejects_bad_configuration():
+    result = subprocess.run([sys.executable, "-m", "oasiskv.kvstore", "--capacity-gb", "-1"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "capacity_gb" in result.stderr

@@ -1,0 +1,90 @@
+"""Key summaries and the block score upper bound."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oasiskv.kvstore import block_scores, summarize_keys, summarize_layer, summarize_request
+from oasiskv.kvstore.summary import block_scores_reference
+
+
+def test_summaries_are_min_and_max_over_real_tokens():
+    keys = torch.randn(37, 2, 8)  # 3 blocks, the last with 5 tokens
+    summaries = summarize_layer(keys, block_size=16)
+    assert summaries.shape == (2, 3, 2, 8) and summaries.dtype == torch.float32
+    for head in range(2):
+        for block in range(3):
+            rows = keys[block * 16:(block + 1) * 16, head]
+            assert torch.equal(summaries[head, block, 0], rows.amin(0))
+            assert torch.equal(summaries[head, block, 1], rows.amax(0))
+    request = summarize_request(torch.stack([keys, -keys]))
+    assert request.shape == (2, 2, 3, 2, 8) and torch.equal(request[0], summaries)
+
+
+def test_summarize_keys_masks_padding_rows():
+    block = torch.full((16, 4), 100.0)
+    block[:3] = torch.arange(12.0).view(3, 4)
+    out = summarize_keys(block, valid_tokens=3)
+    assert torch.equal(out[0], block[:3].amin(0)) and torch.equal(out[1], block[:3].amax(0))
+
+
+def test_scores_equal_brute_force_on_random_data():
+    torch.manual_seed(3)
+    summaries = summarize_layer(torch.randn(200, 2, 64) * 3)
+    for shape in [(12, 64), (5, 12, 64)]:  # one token; five draft rows
+        queries = torch.randn(shape)
+        fast = block_scores(queries, summaries)
+        slow = block_scores_reference(queries, summaries)
+        assert fast.shape == (*shape[:-2], 2, summaries.shape[1])
+        torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-4)
+        # And literally: sum over the group's heads of sum_d max(q_d*min_d, q_d*max_d).
+        q = queries.reshape(-1, 2, 6, 64)[-1]
+        literal = torch.stack([
+            torch.stack([
+                sum(torch.maximum(q[h, g] * summaries[h, b, 0], q[h, g] * summaries[h, b, 1]).sum() for g in range(6))
+                for b in range(summaries.shape[1])
+            ]) for h in range(2)
+        ])
+        torch.testing.assert_close(fast.reshape(-1, 2, summaries.shape[1])[-1], literal, rtol=1e-5, atol=1e-4)
+
+
+finite = st.floats(min_value=-50, max_value=50, allow_nan=False, width=32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    tokens=st.integers(1, 70),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 3]),
+    head_dim=st.sampled_from([1, 4, 16]),
+    scale=st.floats(0.01, 100),
+)
+def test_bound_is_at_least_the_true_block_max(seed, tokens, kv_heads, group, head_dim, scale):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(tokens, kv_heads, head_dim, generator=g) * scale
+    queries = torch.randn(kv_heads * group, head_dim, generator=g)
+    summaries = summarize_layer(keys, block_size=16)
+    bound = block_scores(queries, summaries)  # [kv_heads, blocks]
+    for block in range(summaries.shape[1]):
+        block_keys = keys[block * 16:(block + 1) * 16].float()  # [t, kv_heads, head_dim]
+        for head in range(kv_heads):
+            q = queries[head * group:(head + 1) * group]  # the GQA group of this KV head
+            logits = q @ block_keys[:, head].T  # [group, t]
+            per_head_max = logits.max(dim=1).values.sum()  # the bound holds head by head
+            tolerance = 1e-4 * (1 + q.abs().sum() * block_keys[:, head].abs().max())
+            assert bound[head, block] >= per_head_max - tolerance
+            assert bound[head, block] >= logits.sum(0).max() - tolerance
+
+
+@settings(max_examples=40, deadline=None)
+@given(keys=st.lists(st.lists(finite, min_size=3, max_size=3), min_size=1, max_size=16), query=st.lists(finite, min_size=3, max_size=3))
+def test_bound_on_hypothesis_chosen_points(keys, query):
+    k = torch.tensor(keys).view(-1, 1, 3)
+    q = torch.tensor(query).view(1, 3)
+    summaries = summarize_layer(k, block_size=16)
+    bound = block_scores(q, summaries)[0, 0]
+    true_max = (k[:, 0] @ q[0]).max()
+    assert bound >= true_max - 1e-3 * (1 + q.abs().sum() * k.abs().max())
