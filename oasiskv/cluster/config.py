@@ -1,0 +1,43 @@
+"""Serving-cluster configuration: one pydantic model, validated before Ray starts."""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from ..decode_node.config import DecodeConfig
+
+
+class ServeConfig(BaseModel):
+    model: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    address: str | None = Field(None, description="join this Ray cluster instead of starting one")
+    prefill_workers: int = Field(1, ge=1)
+    decode_workers: int = Field(1, ge=1)
+    stores: int = Field(1, ge=1)
+    store_capacity_gb: float = Field(1.0, gt=0)
+    store_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    transport: Literal["auto", "nixl", "tcp"] = "auto"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    decode: DecodeConfig = Field(default_factory=DecodeConfig)
+    placement: Literal["none", "resources"] = Field(
+        "none", description="'resources': each role asks Ray for oasiskv_prefill / oasiskv_decode / oasiskv_store"
+    )
+    threads_per_worker: int | None = Field(None, ge=1)
+    api_key: str | None = Field(default_factory=lambda: os.environ.get("OASISKV_API_KEY") or None)
+    max_queued_requests: int = Field(64, ge=0, description="requests waiting for a decode pool before 429")
+    request_timeout_s: float = Field(600.0, gt=0)
+    prefill_chunk_tokens: int = Field(1024, ge=16)
+    served_model_name: str | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def worker_threads(self) -> int:
+        if self.threads_per_worker:
+            return self.threads_per_worker
+        return max(1, (os.cpu_count() or 2) // (self.prefill_workers + self.decode_workers))

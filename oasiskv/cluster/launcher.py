@@ -1,0 +1,88 @@
+"""Starts (or joins) a Ray cluster and places the stores, prefill and decode workers."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .config import ServeConfig
+from .router import WorkerSlot
+
+log = logging.getLogger("oasiskv.cluster")
+
+ROLE_RESOURCES = {"prefill": "oasiskv_prefill", "decode": "oasiskv_decode", "store": "oasiskv_store"}
+
+
+@dataclass
+class ClusterHandles:
+    prefill: list[WorkerSlot]
+    decode: list[WorkerSlot]
+    stores: list[WorkerSlot]
+
+
+def _options(config: ServeConfig, role: str, **extra) -> dict:
+    options = {"num_cpus": 0, **extra}
+    if config.placement == "resources":
+        options["resources"] = {ROLE_RESOURCES[role]: 1}
+    return options
+
+
+def start_ray(config: ServeConfig) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    if config.address:
+        ray.init(address=config.address, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(2, config.prefill_workers + config.decode_workers))
+
+
+def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
+    """Start every actor and wait until each has loaded its model / opened its port."""
+    import ray
+
+    from ..decode_node.worker import DecodeWorker
+    from ..kvstore import launch_store_actor
+    from ..prefill_node.worker import PrefillWorker
+
+    start_ray(config)
+    threads = config.worker_threads()
+    stores = []
+    for i in range(config.stores):
+        store_config = {"capacity_gb": config.store_capacity_gb, "port": config.store_port + i if config.store_port else 0,
+                        "transport": "tcp" if config.transport == "tcp" else "nixl"}
+        if config.address:  # other nodes must reach it
+            store_config["host"] = "0.0.0.0"
+        handle, address = launch_store_actor(store_config, timeout_s=timeout_s, **_options(config, "store"))
+        stores.append(WorkerSlot(f"store-{i}", handle, capacity=int(config.store_capacity_gb * 2**30), address=address))
+    prefill_cls = ray.remote(PrefillWorker)
+    decode_cls = ray.remote(DecodeWorker)
+    prefill = [
+        WorkerSlot(f"prefill-{i}", prefill_cls.options(**_options(config, "prefill", max_concurrency=8)).remote(
+            config.model, config.dtype, config.decode.block_size, config.prefill_chunk_tokens, threads, config.transport))
+        for i in range(config.prefill_workers)
+    ]
+    decode = [
+        WorkerSlot(f"decode-{i}", decode_cls.options(**_options(config, "decode", max_concurrency=1000)).remote(
+            config.model, config.decode.model_dump(), config.dtype, threads, config.transport))
+        for i in range(config.decode_workers)
+    ]
+    ray.get([w.handle.ready.remote() for w in prefill], timeout=timeout_s)
+    for slot, info in zip(decode, ray.get([w.handle.ready.remote() for w in decode], timeout=timeout_s)):
+        slot.capacity = info["pool_rows"]
+    log.info("cluster up: %d prefill, %d decode, %d store(s)", len(prefill), len(decode), len(stores))
+    return ClusterHandles(prefill, decode, stores)
+
+
+def shutdown(handles: ClusterHandles | None) -> None:
+    import ray
+
+    if handles is not None:
+        for store in handles.stores:
+            try:
+                ray.get(store.handle.shutdown.remote(), timeout=10)
+            except Exception:
+                pass
+    if ray.is_initialized():
+        ray.shutdown()

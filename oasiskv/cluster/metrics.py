@@ -1,0 +1,84 @@
+"""Prometheus metrics of the API process, and the workers' counters re-exported from polls.
+
+Names are `oasiskv_*`: prometheus_client >= 0.23 rewrites ':' under OpenMetrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+# Worker counters re-exported as counters (monotonic inside a worker's life).
+DECODE_COUNTERS = {
+    "blocks_fetched": ("oasiskv_decode_blocks_fetched", "KV blocks fetched from stores by decode workers"),
+    "bytes_fetched": ("oasiskv_decode_bytes_fetched", "KV bytes fetched from stores by decode workers"),
+    "prefetch_hits": ("oasiskv_prefetch_hits", "layers whose prefetch had landed when needed"),
+    "prefetch_misses": ("oasiskv_prefetch_misses", "layers whose prefetch had not landed when needed"),
+    "prefetch_waits": ("oasiskv_prefetch_waits", "waits for a fetch to land"),
+    "drafts_proposed": ("oasiskv_drafts_proposed", "draft tokens proposed"),
+    "drafts_accepted": ("oasiskv_drafts_accepted", "draft tokens accepted"),
+}
+
+
+class ServingMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("oasiskv_requests", "finished requests by status", ["status"], registry=r)
+        self.ttft = Histogram("oasiskv_request_ttft_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("oasiskv_request_itl_seconds", "inter-token latency", buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("oasiskv_request_tpot_seconds", "time per output token after the first",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("oasiskv_request_e2e_seconds", "end-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_length = Gauge("oasiskv_queue_length", "requests waiting for a decode pool", registry=r)
+        self.running = Gauge("oasiskv_running_requests", "requests being served", registry=r)
+        self.prompt_tokens = Counter("oasiskv_prompt_tokens", "prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("oasiskv_generation_tokens", "generated tokens", registry=r)
+        self.worker_stats: dict[str, dict] = {}  # decode worker name -> last stats()
+        self.store_stats: dict[str, dict] = {}  # store name -> last stats()
+        self.health: dict[tuple[str, str], bool] = {}  # (role, worker) -> healthy
+        self.nixl_rate: dict[str, float] = {}
+        r.register(_PolledCollector(self))
+
+
+class _PolledCollector:
+    """Exposes the last polled worker and store stats at scrape time."""
+
+    def __init__(self, metrics: ServingMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        m = self.metrics
+        for key, (name, doc) in DECODE_COUNTERS.items():
+            family = CounterMetricFamily(name, doc, labels=["worker"])
+            for worker, stats in m.worker_stats.items():
+                family.add_metric([worker], float(stats.get(key) or 0))
+            yield family
+        gauges = {
+            "oasiskv_decode_kv_pool_usage_ratio": ("device KV pool rows in use / rows", "pool_usage"),
+            "oasiskv_prediction_recall": ("share of the current query's top-K blocks that were resident", "prediction_recall"),
+            "oasiskv_draft_acceptance_rate": ("accepted / proposed draft tokens", "acceptance_rate"),
+        }
+        for name, (doc, key) in gauges.items():
+            family = GaugeMetricFamily(name, doc, labels=["worker"])
+            for worker, stats in m.worker_stats.items():
+                value = stats.get(key)
+                family.add_metric([worker], float(value) if value is not None else 0.0)
+            yield family
+        rate = GaugeMetricFamily("oasiskv_nixl_bytes_per_second", "KV bytes/s fetched by each decode worker", labels=["worker"])
+        for worker, value in m.nixl_rate.items():
+            rate.add_metric([worker], value)
+        yield rate
+        used = GaugeMetricFamily("oasiskv_store_used_bytes", "KV store bytes in use", labels=["store"])
+        capacity = GaugeMetricFamily("oasiskv_store_capacity_bytes", "KV store capacity", labels=["store"])
+        for store, stats in m.store_stats.items():
+            used.add_metric([store], float(stats.get("used_bytes", 0)))
+            capacity.add_metric([store], float(stats.get("capacity_bytes", 0)))
+        yield used
+        yield capacity
+        health = GaugeMetricFamily("oasiskv_worker_healthy", "1 when the worker answers and has not failed", labels=["role", "worker"])
+        for (role, worker), ok in m.health.items():
+            health.add_metric([role, worker], 1.0 if ok else 0.0)
+        yield health

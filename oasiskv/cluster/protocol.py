@@ -1,0 +1,112 @@
+"""OpenAI-compatible request and response bodies (the subset OasisKV serves), plus extensions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Mode = Literal["dense", "sparse-current", "lookahead"]
+
+
+class UnsupportedFeature(ValueError):
+    """A valid OpenAI field whose non-default value this server does not implement."""
+
+
+class _SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="extension: 0 or -1 disables")
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    stream_options: dict | None = None
+    # OasisKV extensions: how this request is decoded.
+    oasiskv_mode: Mode | None = None
+    oasiskv_budget_tokens: int | None = Field(None, ge=16)
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise UnsupportedFeature("n > 1 is not supported; send several requests")
+        if self.presence_penalty or self.frequency_penalty:
+            raise UnsupportedFeature("presence_penalty and frequency_penalty are not supported")
+        if self.logprobs not in (None, False, 0):
+            raise UnsupportedFeature("logprobs are not supported")
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise UnsupportedFeature("echo is not supported")
+        if self.best_of not in (None, 1):
+            raise UnsupportedFeature("best_of is not supported")
+        if self.suffix:
+            raise UnsupportedFeature("suffix is not supported")
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            if len(self.prompt) != 1:
+                raise UnsupportedFeature("one prompt per request: send a list of prompts as separate requests")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict] | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _flatten(cls, value):
+        """Content parts: only text parts are accepted; they are joined."""
+        if isinstance(value, list):
+            texts = []
+            for part in value:
+                if part.get("type") != "text":
+                    raise ValueError(f"content part type {part.get('type')!r} is not supported (text only)")
+                texts.append(part.get("text", ""))
+            return "".join(texts)
+        return value
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def error_body(message: str, type_: str, code: int | str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -1,0 +1,104 @@
+"""Picks the workers and the store for each request, and refuses work it cannot take.
+
+Load is accounted here, at the only place that sees every request: queued prefill tokens per
+prefill worker, reserved pool rows per decode worker, reserved bytes per store. A request that
+can never fit is a client error; one that cannot fit *now* is refused with Retry-After.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class Overloaded(Exception):
+    """Every pool is full right now; retry later."""
+
+    def __init__(self, message: str, retry_after_s: int = 1, status: int = 429):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.status = status
+
+
+class TooLarge(ValueError):
+    """The request can never fit, whatever the load."""
+
+
+@dataclass
+class WorkerSlot:
+    name: str
+    handle: object
+    capacity: int = 0  # decode: pool rows; store: bytes; prefill: unused
+    load: int = 0  # prefill: queued tokens; decode: reserved rows; store: reserved bytes
+    active: int = 0
+    healthy: bool = True
+    address: str = ""
+
+
+@dataclass
+class Assignment:
+    request_id: str
+    prefill: WorkerSlot
+    decode: WorkerSlot
+    store: WorkerSlot
+    prompt_tokens: int
+    rows: int
+    store_bytes: int
+    queued: bool = False
+    released: bool = field(default=False)
+
+
+class Router:
+    def __init__(self, prefill: list[WorkerSlot], decode: list[WorkerSlot], stores: list[WorkerSlot],
+                 max_queued_requests: int = 64):
+        self.prefill = prefill
+        self.decode = decode
+        self.stores = stores
+        self.max_queued_requests = max_queued_requests
+
+        self.queued = 0  # requests admitted while every pool was full (they wait in a decode queue)
+
+    def assign(self, request_id: str, prompt_tokens: int, rows: int, store_bytes: int) -> Assignment:
+        healthy_decode = [w for w in self.decode if w.healthy]
+        if not healthy_decode or not any(w.healthy for w in self.prefill) or not any(s.healthy for s in self.stores):
+            raise Overloaded("no healthy worker for some role", retry_after_s=5, status=503)
+        if rows > max(w.capacity for w in healthy_decode):
+            raise TooLarge(
+                f"the request needs {rows} rows of a decode KV pool; the largest pool has {max(w.capacity for w in healthy_decode)}"
+            )
+        if store_bytes > max(s.capacity for s in self.stores):
+            raise TooLarge(f"the request needs {store_bytes} bytes of KV store; the largest store holds {max(s.capacity for s in self.stores)}")
+        fitting = [w for w in healthy_decode if w.load + rows <= w.capacity]
+        queued = False
+        if fitting:
+            decode = min(fitting, key=lambda w: (w.load / w.capacity, w.active))
+        else:
+            if self.queued >= self.max_queued_requests:
+                raise Overloaded("every decode KV pool is full and the queue is at its limit", retry_after_s=2)
+            decode = min(healthy_decode, key=lambda w: (w.load - w.capacity, w.active))
+            queued = True
+        stores = [s for s in self.stores if s.healthy and s.load + store_bytes <= s.capacity]
+        if not stores:
+            raise Overloaded("every KV store is full", retry_after_s=2, status=503)
+        store = min(stores, key=lambda s: s.load)
+        prefill = min((w for w in self.prefill if w.healthy), key=lambda w: (w.load, w.active))
+        for slot, load in ((prefill, prompt_tokens), (decode, rows), (store, store_bytes)):
+            slot.load += load
+            slot.active += 1
+        self.queued += queued
+        return Assignment(request_id, prefill, decode, store, prompt_tokens, rows, store_bytes, queued)
+
+    def prefill_done(self, a: Assignment) -> None:
+        a.prefill.load -= a.prompt_tokens
+        a.prefill.active -= 1
+        a.prompt_tokens = 0
+
+    def release(self, a: Assignment) -> None:
+        if a.released:
+            return
+        a.released = True
+        self.queued -= a.queued
+        if a.prompt_tokens:
+            self.prefill_done(a)
+        for slot, load in ((a.decode, a.rows), (a.store, a.store_bytes)):
+            slot.load -= load
+            slot.active -= 1

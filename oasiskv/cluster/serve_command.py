@@ -1,0 +1,69 @@
+"""`oasiskv serve`: the OpenAI-compatible cluster (Ray + prefill, decode and store actors)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m", help="registry name, HF directory or .gguf file")
+    parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto, HOST:6379)")
+    parser.add_argument("--prefill-workers", type=int, default=1)
+    parser.add_argument("--decode-workers", type=int, default=1)
+    parser.add_argument("--stores", type=int, default=1)
+    parser.add_argument("--store-capacity-gb", type=float, default=1.0)
+    parser.add_argument("--store-port", type=int, default=0, help="first store's port (0: any free port)")
+    parser.add_argument("--transport", choices=["auto", "nixl", "tcp"], default="auto")
+    parser.add_argument("--placement", choices=["none", "resources"], default="none",
+                        help="'resources': roles go where Ray advertises oasiskv_prefill/decode/store")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--mode", choices=["dense", "sparse-current", "lookahead"], default="lookahead")
+    parser.add_argument("--kv-pool-gb", type=float, default=1.0, help="device KV pool per decode worker")
+    parser.add_argument("--budget-tokens", type=int, default=2048)
+    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--drafter", default="ngram", help="'ngram' or a draft model name")
+    parser.add_argument("--threads-per-worker", type=int, default=None)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or OASISKV_API_KEY)")
+    parser.add_argument("--max-queued-requests", type=int, default=64)
+    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+
+
+def config_from_args(args: argparse.Namespace):
+    from .config import ServeConfig
+
+    decode = {"mode": args.mode, "kv_pool_gb": args.kv_pool_gb, "budget_tokens": args.budget_tokens,
+              "num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter}
+    fields = dict(model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
+                  address=args.address, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+                  stores=args.stores, store_capacity_gb=args.store_capacity_gb, store_port=args.store_port,
+                  transport=args.transport, placement=args.placement, dtype=args.dtype, decode=decode,
+                  threads_per_worker=args.threads_per_worker, max_queued_requests=args.max_queued_requests,
+                  request_timeout_s=args.request_timeout_s)
+    if args.api_key:
+        fields["api_key"] = args.api_key
+    return ServeConfig(**fields)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from ..models.errors import ModelError
+    from .server import run_server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValidationError as error:
+        print(f"error: invalid configuration:\n{error}", file=sys.stderr)
+        return 2
+    try:
+        run_server(config)
+    except ModelError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,82 @@
+"""Wiring: pull the model, launch the actors, build the service and the app, run uvicorn."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+
+import uvicorn
+
+from ..models.config import ModelConfig
+from ..models.pull import resolve_model
+from ..models.tokenizer import load_tokenizer
+from .api import create_app
+from .config import ServeConfig
+from .launcher import launch, shutdown
+from .service import ClusterService
+
+log = logging.getLogger("oasiskv.cluster")
+
+
+def build_service(config: ServeConfig) -> ClusterService:
+    model_dir = resolve_model(config.model)  # pulls on first use, with a progress bar
+    model_config = ModelConfig.from_dir(model_dir)
+    itemsize = 4 if config.dtype == "float32" else 2
+    per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
+    # Key summaries: min and max in fp32 per block, layer and KV head.
+    per_token += 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * 4 // config.decode.block_size
+    handles = launch(config)
+    return ClusterService(config, handles, load_tokenizer(model_dir), per_token, model_config.max_position_embeddings)
+
+
+def make_app(service: ClusterService, shutdown_cluster: bool = True):
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await service.poll_once()
+        service.start_polling()
+        try:
+            yield
+        finally:
+            await service.stop_polling()
+            if shutdown_cluster:
+                shutdown(service.handles)
+
+    return create_app(service, lifespan=lifespan)
+
+
+def run_server(config: ServeConfig) -> None:
+    service = build_service(config)
+    log.info("serving %s on http://%s:%d", config.model_name, config.host, config.port)
+    uvicorn.run(make_app(service), host=config.host, port=config.port, log_level="info")
+
+
+class BackgroundServer:
+    """The whole server in this process (uvicorn on a thread): for tests and notebooks."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.service = build_service(config)
+        app = make_app(self.service, shutdown_cluster=False)
+        self._server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> "BackgroundServer":
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the API server did not start")
+            time.sleep(0.05)
+        return self
+
+    @property
+    def url(self) -> str:
+        sockets = self._server.servers[0].sockets
+        return f"http://{self.config.host}:{sockets[0].getsockname()[1]}"
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        shutdown(self.service.handles)

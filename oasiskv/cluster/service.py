@@ -1,0 +1,192 @@
+"""The serving side of one request: route it, prefill it, stream its decode, clean up.
+
+`ClusterService` owns the router, the metrics and the actor handles; the HTTP layer (api.py)
+only turns requests into `generate()` calls and events into OpenAI-shaped bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import asdict, dataclass
+from typing import AsyncIterator
+
+from ..models.sampling import SamplingParams
+from .config import ServeConfig
+from .launcher import ClusterHandles
+from .metrics import ServingMetrics
+from .router import Router
+
+
+@dataclass
+class Event:
+    """A piece of a streamed answer: the text added since the last event."""
+
+    delta: str
+    num_tokens: int  # generated so far
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+class ClusterService:
+    def __init__(self, config: ServeConfig, handles: ClusterHandles, tokenizer, kv_bytes_per_token: int,
+                 max_model_len: int):
+        self.config = config
+        self.handles = handles
+        self.tokenizer = tokenizer
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.max_model_len = max_model_len
+        self.metrics = ServingMetrics()
+        self.router = Router(handles.prefill, handles.decode, handles.stores, config.max_queued_requests)
+        self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", ()))
+        self._poller: asyncio.Task | None = None
+        self._last_bytes: dict[str, tuple[float, float]] = {}
+
+    # -- background health and stats -----------------------------------------------------
+    def start_polling(self, interval_s: float = 2.0) -> None:
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll_forever(interval_s))
+
+    async def stop_polling(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+
+    async def _poll_forever(self, interval_s: float) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(interval_s)
+
+    async def poll_once(self) -> None:
+        m = self.metrics
+        for slot in self.handles.decode:
+            try:
+                stats = await asyncio.wait_for(_await(slot.handle.stats.remote()), timeout=5)
+                slot.healthy = bool(stats["healthy"])
+                m.worker_stats[slot.name] = stats
+                now, total = time.monotonic(), float(stats.get("bytes_fetched") or 0)
+                if slot.name in self._last_bytes:
+                    then, before = self._last_bytes[slot.name]
+                    m.nixl_rate[slot.name] = (total - before) / max(1e-6, now - then)
+                self._last_bytes[slot.name] = (now, total)
+            except Exception:
+                slot.healthy = False
+            m.health[("decode", slot.name)] = slot.healthy
+        for slot in self.handles.stores:
+            try:
+                m.store_stats[slot.name] = await asyncio.wait_for(_await(slot.handle.stats.remote()), timeout=5)
+                slot.healthy = True
+            except Exception:
+                slot.healthy = False
+            m.health[("store", slot.name)] = slot.healthy
+        for slot in self.handles.prefill:
+            try:
+                await asyncio.wait_for(_await(slot.handle.ready.remote()), timeout=5)
+                slot.healthy = True
+            except Exception:
+                slot.healthy = False
+            m.health[("prefill", slot.name)] = slot.healthy
+        m.queue_length.set(self.router.queued)
+
+    # -- one request ---------------------------------------------------------------------
+    def rows_needed(self, prompt_tokens: int, max_tokens: int, mode: str | None, budget: int | None) -> int:
+        c = self.config.decode
+        bs = c.block_size
+        if (mode or c.mode) == "dense":
+            return -(-(prompt_tokens + max_tokens + c.num_draft_tokens + 1) // bs) + 1
+        return c.sink_blocks + c.window_blocks + 1 + (budget or c.budget_tokens) // bs
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       mode: str | None = None, budget_tokens: int | None = None) -> AsyncIterator[Event]:
+        """Raises Overloaded / TooLarge before anything is started; then yields Events."""
+        c = self.config.decode
+        rows = self.rows_needed(len(prompt_ids), params.max_tokens, mode, budget_tokens)
+        store_bytes = (len(prompt_ids) + params.max_tokens + c.block_size) * self.kv_bytes_per_token
+        assignment = self.router.assign(request_id, len(prompt_ids), rows, store_bytes)
+        m = self.metrics
+        m.running.inc()
+        m.prompt_tokens.inc(len(prompt_ids))
+        started = time.perf_counter()
+        status = "error"
+        decode_started = prefilled = False
+        prefill_ref = None
+        sent_text = ""
+        token_count = 0
+        last_token_time = None
+        first_token_time = None
+        try:
+            async with asyncio.timeout(self.config.request_timeout_s):
+                prefill_ref = assignment.prefill.handle.prefill.remote(
+                    request_id, prompt_ids, asdict(params), assignment.store.address,
+                    (budget_tokens or c.budget_tokens) // c.block_size, c.sink_blocks, c.window_blocks,
+                )
+                result = await prefill_ref
+                prefilled = True
+                self.router.prefill_done(assignment)
+                stream = assignment.decode.handle.generate.options(num_returns="streaming").remote(
+                    result, asdict(params), assignment.store.address, mode, budget_tokens
+                )
+                decode_started = True
+                async for ref in stream:
+                    out = await ref
+                    now = time.perf_counter()
+                    new_tokens = len(out["token_ids"]) - token_count
+                    if new_tokens > 0:
+                        if first_token_time is None:
+                            first_token_time = now
+                            m.ttft.observe(now - started)
+                        elif last_token_time is not None:
+                            for _ in range(new_tokens):  # tokens of one speculative step share the gap
+                                m.itl.observe((now - last_token_time) / new_tokens)
+                        last_token_time = now
+                        token_count = len(out["token_ids"])
+                    text = out["text"]
+                    delta = text[len(sent_text):] if text.startswith(sent_text) else ""
+                    if out["finished"]:  # before the yield: the consumer may close us after it
+                        status = "abort" if out["finish_reason"] == "abort" else "success"
+                    if delta or out["finished"]:
+                        sent_text += delta
+                        yield Event(delta, token_count, out["finished"], out["finish_reason"])
+                    if out["finished"]:
+                        break
+        except (asyncio.CancelledError, GeneratorExit):
+            if status != "success":  # closed after the final event is a normal end
+                status = "abort"
+            raise
+        finally:
+            if status != "success":
+                await self._cancel(assignment, prefill_ref, prefilled, decode_started)
+            self.router.release(assignment)
+            m.running.dec()
+            m.requests.labels(status=status).inc()
+            end = time.perf_counter()
+            if status == "success":
+                m.e2e.observe(end - started)
+                m.generation_tokens.inc(token_count)
+                if token_count > 1 and first_token_time is not None:
+                    m.tpot.observe((end - first_token_time) / (token_count - 1))
+
+    async def _cancel(self, assignment, prefill_ref, prefilled: bool, decode_started: bool) -> None:
+        """Free the request's KV wherever it is (decode pool and store, or store only)."""
+        try:
+            if decode_started:
+                assignment.decode.handle.abort.remote(assignment.request_id)
+            elif prefilled:
+                assignment.prefill.handle.free.remote(assignment.request_id, assignment.store.address)
+            elif prefill_ref is not None:  # still prefilling: free once it has written the store
+                asyncio.get_running_loop().create_task(self._free_after(prefill_ref, assignment))
+        except Exception:
+            pass
+
+    async def _free_after(self, prefill_ref, assignment) -> None:
+        with contextlib.suppress(Exception):
+            await prefill_ref
+        with contextlib.suppress(Exception):
+            assignment.prefill.handle.free.remote(assignment.request_id, assignment.store.address)
+
+
+async def _await(ref):
+    return await ref

@@ -1,0 +1,141 @@
+"""The decode worker as a Ray actor: the decode engine's continuous-batching loop on a thread of
+its own, with one async stream of outputs per request.
+
+Requests and aborts reach the loop through a queue (the engine is single-threaded); outputs go
+back to the actor's event loop with call_soon_threadsafe, where `generate` yields them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import asdict
+
+import torch
+
+from ..models.loader import load_model_dir
+from ..models.pull import resolve_model
+from ..models.sampling import SamplingParams
+from ..models.tokenizer import load_tokenizer
+from .config import DecodeConfig
+from .engine import DecodeEngine
+from .speculative import NgramDrafter
+from .store_directory import StoreDirectory
+
+
+def build_drafter(name: str, target, target_tokenizer, dtype: torch.dtype):
+    if name == "ngram":
+        return NgramDrafter()
+    from .draft_model import DraftModelDrafter
+
+    draft_dir = resolve_model(name, progress=False)
+    draft = load_model_dir(draft_dir, dtype=dtype)
+    return DraftModelDrafter(draft, target.config.vocab_size, load_tokenizer(draft_dir), target_tokenizer)
+
+
+class DecodeWorker:
+    def __init__(self, model: str, config: dict | None = None, dtype: str = "float32", threads: int | None = None,
+                 transport: str = "auto"):
+        if threads:
+            torch.set_num_threads(threads)
+        self.config = DecodeConfig(**(config or {}))
+        model_dir = resolve_model(model, progress=False)
+        torch_dtype = getattr(torch, dtype)
+        self.model = load_model_dir(model_dir, dtype=torch_dtype, device=self.config.device)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.stores = StoreDirectory(transport)
+        drafter = build_drafter(self.config.drafter, self.model, self.tokenizer, torch_dtype)
+        self.engine = DecodeEngine(self.model, self.tokenizer, self.stores, self.config, drafter=drafter)
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
+        self._thread.start()
+
+    # -- control -------------------------------------------------------------------------
+    def ready(self) -> dict:
+        return {"pool_rows": self.engine.pool.num_rows, "row_bytes": self.engine.pool.row_bytes}
+
+    def row_plan(self, prompt_tokens: int, max_tokens: int, mode: str | None, budget_tokens: int | None) -> int:
+        return self.engine.row_plan(prompt_tokens, max_tokens, mode, budget_tokens).total
+
+    def stats(self) -> dict:
+        counters = self.engine.counters.snapshot()
+        pool = self.engine.pool
+        return {
+            **counters,
+            "pool_rows": pool.num_rows,
+            "pool_rows_used": pool.rows_used,
+            "pool_usage": pool.rows_used / pool.num_rows,
+            "running": len(self.engine.running),
+            "waiting": len(self.engine.waiting),
+            "healthy": self._error is None and self._thread.is_alive(),
+            "error": self._error,
+        }
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id, None))
+
+    async def generate(self, prefill, params: dict, store_address: str, mode: str | None = None,
+                       budget_tokens: int | None = None):
+        """Stream DecodeOutput dicts for one request until it finishes (or is aborted)."""
+        if self._error:
+            raise RuntimeError(f"decode worker failed: {self._error}")
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        request_id = prefill.request_id
+        self._streams[request_id] = (loop, outputs)
+        self._commands.put(("add", request_id, (prefill, SamplingParams(**params), store_address, mode, budget_tokens)))
+        try:
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item["finished"]:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _apply(self, command) -> None:
+        kind, request_id, payload = command
+        if kind == "abort":
+            self.engine.abort(request_id)
+            self._deliver(request_id, {"request_id": request_id, "new_token_ids": [], "token_ids": [], "text": "",
+                                       "finished": True, "finish_reason": "abort"})
+            return
+        prefill, params, store_address, mode, budget = payload
+        try:
+            self.stores.bind(request_id, store_address)
+            self.engine.add(prefill, params, mode=mode, budget_tokens=budget)
+        except Exception as error:  # refuse this request only
+            self.stores.free(request_id)
+            self._deliver(request_id, error)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                timeout = None if not self.engine.has_unfinished else 0
+                try:
+                    self._apply(self._commands.get(timeout=timeout) if timeout is None else self._commands.get_nowait())
+                    while True:
+                        self._apply(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                if self.engine.has_unfinished:
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, asdict(out))
+            except Exception as error:  # the engine is broken: fail every stream, stay inspectable
+                self._error = f"{type(error).__name__}: {error}"
+                for request_id in list(self._streams):
+                    self._deliver(request_id, RuntimeError(self._error))
+                time.sleep(0.5)

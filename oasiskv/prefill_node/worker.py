@@ -1,0 +1,52 @@
+"""The prefill worker as a Ray actor: loads the target model once, prefills requests into the
+store the router names, and returns the first token plus the predicted working set."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..kvstore import connect
+from ..models.loader import load_model_dir
+from ..models.pull import resolve_model
+from ..models.sampling import SamplingParams
+from .prefill import Prefiller, PrefillResult
+
+
+class PrefillWorker:
+    def __init__(self, model: str, dtype: str = "float32", block_size: int = 16, chunk_tokens: int = 1024,
+                 threads: int | None = None, transport: str = "auto"):
+        if threads:
+            torch.set_num_threads(threads)
+        model_dir = resolve_model(model, progress=False)
+        self.model = load_model_dir(model_dir, dtype=getattr(torch, dtype))
+        self.block_size = block_size
+        self.chunk_tokens = chunk_tokens
+        self.transport = transport
+        self._prefillers: dict[str, Prefiller] = {}
+        self._lock = threading.Lock()  # one prefill at a time: it uses every core it is given
+
+    def ready(self) -> bool:
+        return True
+
+    def _prefiller(self, store_address: str) -> Prefiller:
+        if store_address not in self._prefillers:
+            client = connect(store_address, transport=self.transport)
+            self._prefillers[store_address] = Prefiller(self.model, client, self.block_size, self.chunk_tokens)
+        return self._prefillers[store_address]
+
+    def prefill(self, request_id: str, prompt_ids: list[int], params: dict, store_address: str,
+                budget_blocks: int, sink_blocks: int, window_blocks: int) -> PrefillResult:
+        with self._lock:
+            return self._prefiller(store_address).prefill(
+                request_id, prompt_ids, SamplingParams(**params), budget_blocks=budget_blocks,
+                excluded_head_blocks=sink_blocks, excluded_tail_blocks=window_blocks,
+            )
+
+    def free(self, request_id: str, store_address: str) -> None:
+        """Drop a request's KV from the store (a request cancelled after its prefill)."""
+        try:
+            self._prefiller(store_address).client.free(request_id)
+        except Exception:  # already freed by the decode side, or expired
+            pass

@@ -1,0 +1,152 @@
+"""The real server end to end: uvicorn + Ray + a NIXL store actor + prefill and decode actors,
+driven with the official `openai` client. Greedy outputs must equal the single-process engine's."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import openai
+import pytest
+
+from oasiskv.cluster.config import ServeConfig
+from oasiskv.cluster.server import BackgroundServer
+from oasiskv.decode_node.config import DecodeConfig
+from oasiskv.models.sampling import SamplingParams
+
+from ..conftest import DEFAULT_MODEL, stdlib_source
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = ServeConfig(
+        model=DEFAULT_MODEL, port=0, api_key=API_KEY, store_capacity_gb=0.25, threads_per_worker=1,
+        decode=DecodeConfig(kv_pool_gb=0.25, budget_tokens=1024),
+    )
+    with BackgroundServer(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def _expected(smollm2_llm, prompt_ids: list[int], max_tokens: int) -> str:
+    return smollm2_llm.generate([prompt_ids], SamplingParams(max_tokens=max_tokens))[0].text
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_completion_matches_the_engine(client, smollm2_llm):
+    prompt = "def fibonacci(n):"
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    assert out.choices[0].text == _expected(smollm2_llm, smollm2_llm.encode(prompt), 24)
+    assert out.usage.prompt_tokens == len(smollm2_llm.encode(prompt))
+    assert out.usage.completion_tokens == 24 and out.choices[0].finish_reason == "length"
+
+
+def test_streamed_chat_matches_the_engine(client, smollm2_llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    stream = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True)
+    pieces, reasons = [], []
+    for chunk in stream:
+        pieces.append(chunk.choices[0].delta.content or "")
+        reasons.append(chunk.choices[0].finish_reason)
+    ids = smollm2_llm.tokenizer.apply_chat_template(messages)
+    assert "".join(pieces) == _expected(smollm2_llm, ids, 20)
+    assert reasons[-1] in ("stop", "length")
+    chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert chat.choices[0].message.content == "".join(pieces)
+
+
+def test_sixteen_concurrent_streams_of_different_lengths(server, smollm2_llm):
+    source = smollm2_llm.encode(stdlib_source("typing.py"))
+    prompts = [source[i * 97 : i * 97 + 30 + 17 * i] for i in range(16)]
+    lengths = [8 + 3 * i for i in range(16)]
+    aclient = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+
+    async def one(prompt, max_tokens):
+        stream = await aclient.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=max_tokens,
+                                                  temperature=0, stream=True, extra_body={"ignore_eos": True})
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
+
+    texts = asyncio.run(all_of_them())
+    expected = smollm2_llm.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths])
+    assert texts == [e.text for e in expected]
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        ({"model": "nope", "prompt": "hi"}, 404, "does not exist"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "temperature": -1}, 422, "temperature"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "n": 2}, 400, "n > 1"),
+        ({"model": DEFAULT_MODEL, "prompt": "", "max_tokens": 4}, 400, "empty"),
+        ({"model": DEFAULT_MODEL, "prompt": [1] * 9000, "max_tokens": 4}, 413, "context"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "oasiskv_mode": "fast"}, 422, "oasiskv_mode"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server, body, status, fragment):
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["code"] == status
+
+
+def test_missing_or_wrong_api_key_is_401(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(f"{server.url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "hi"}, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+
+
+def test_per_request_mode_extension(client, smollm2_llm):
+    prompt = smollm2_llm.encode(stdlib_source("argparse.py"))[:300]
+    dense = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"oasiskv_mode": "dense"})
+    sparse = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                       extra_body={"oasiskv_mode": "sparse-current", "oasiskv_budget_tokens": 512})
+    assert dense.choices[0].text == sparse.choices[0].text == _expected(smollm2_llm, prompt, 12)
+
+
+def test_client_disconnect_frees_the_request_everywhere(server):
+    import ray
+
+    body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                break  # hang up after the first chunk
+    decode = server.service.handles.decode[0].handle
+    store = server.service.handles.stores[0].handle
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        stats, store_stats = ray.get(decode.stats.remote()), ray.get(store.stats.remote())
+        if stats["running"] == 0 and stats["waiting"] == 0 and store_stats["num_requests"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["running"] == 0 and stats["pool_rows_used"] == 0
+    assert store_stats["num_requests"] == 0
+
+
+def test_metrics_count_requests_and_tokens(server, client):
+    client.completions.create(model=DEFAULT_MODEL, prompt="hello", max_tokens=4, temperature=0)
+    asyncio.run(server.service.poll_once())
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'oasiskv_requests_total{status="success"}' in text
+    assert "oasiskv_request_ttft_seconds_count" in text
+    assert 'oasiskv_worker_healthy{role="decode",worker="decode-0"} 1.0' in text
+    assert 'oasiskv_store_capacity_bytes{store="store-0"}' in text

@@ -1,0 +1,62 @@
+"""Router accounting and refusals (a unit test of the router alone: worker handles are plain
+objects because the router never calls them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from oasiskv.cluster.router import Overloaded, Router, TooLarge, WorkerSlot
+
+
+def _router(max_queued=1):
+    prefill = [WorkerSlot("p0", object()), WorkerSlot("p1", object())]
+    decode = [WorkerSlot("d0", object(), capacity=10), WorkerSlot("d1", object(), capacity=10)]
+    stores = [WorkerSlot("s0", object(), capacity=1000)]
+    return Router(prefill, decode, stores, max_queued_requests=max_queued)
+
+
+def test_least_loaded_workers_are_chosen_and_released():
+    router = _router()
+    a = router.assign("a", prompt_tokens=100, rows=6, store_bytes=100)
+    b = router.assign("b", prompt_tokens=10, rows=6, store_bytes=100)
+    assert a.decode is not b.decode and a.prefill is not b.prefill
+    router.prefill_done(a)
+    assert a.prefill.load == 0 and b.prefill.load == 10
+    router.release(a)
+    router.release(b)
+    router.release(b)  # idempotent
+    assert all(w.load == 0 and w.active == 0 for w in router.decode + router.prefill + router.stores)
+
+
+def test_full_pools_queue_then_refuse_with_retry_after():
+    router = _router(max_queued=1)
+    router.assign("a", 1, 10, 1)
+    router.assign("b", 1, 10, 1)
+    queued = router.assign("c", 1, 10, 1)  # both pools full: one may wait
+    assert queued.queued and router.queued == 1
+    with pytest.raises(Overloaded) as info:
+        router.assign("d", 1, 10, 1)
+    assert info.value.status == 429 and info.value.retry_after_s >= 1
+    router.release(queued)
+    assert router.queued == 0
+
+
+def test_store_full_is_503_and_too_large_is_refused():
+    router = _router()
+    router.assign("a", 1, 1, 900)
+    with pytest.raises(Overloaded) as info:
+        router.assign("b", 1, 1, 200)
+    assert info.value.status == 503
+    with pytest.raises(TooLarge, match="decode KV pool"):
+        router.assign("c", 1, 11, 1)
+    with pytest.raises(TooLarge, match="KV store"):
+        router.assign("d", 1, 1, 5000)
+
+
+def test_no_healthy_decode_worker_is_503():
+    router = _router()
+    for w in router.decode:
+        w.healthy = False
+    with pytest.raises(Overloaded) as info:
+        router.assign("a", 1, 1, 1)
+    assert info.value.status == 503
