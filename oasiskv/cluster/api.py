@@ -62,6 +62,9 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
     async def _validation_error(_: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        if first.get("type") == "json_invalid":
+            return _error(ApiError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}",
+                                   "invalid_request_error"))
         return _error(ApiError(422, f"invalid request: {first.get('msg', 'validation failed')} ({param})",
                                "invalid_request_error", param))
 
@@ -171,7 +174,8 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     except TimeoutError as exc:
         raise ApiError(504, "the request timed out", "timeout") from exc
     except Exception as exc:
-        raise ApiError(500, f"{type(exc).__name__}: {exc}", "internal_error") from exc
+        raise ApiError(503, f"the request failed in a worker ({type(exc).__name__}); retry it",
+                       "service_unavailable", headers={"Retry-After": "5"}) from exc
     if body.stream:
         return StreamingResponse(_sse(request, request_id, kind, body, ids, first, events),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -189,6 +193,9 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
         pass
     except TimeoutError as exc:
         raise ApiError(504, "the request timed out", "timeout") from exc
+    except Exception as exc:  # a worker died mid-request: the request is lost, the server is not
+        raise ApiError(503, f"the request failed in a worker ({type(exc).__name__}); retry it",
+                       "service_unavailable", headers={"Retry-After": "5"}) from exc
     finally:
         await events.aclose()
     usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
@@ -237,6 +244,7 @@ async def _sse(request: Request, request_id: str, kind: str, body, ids, first, e
     except (StopAsyncIteration, asyncio.CancelledError):
         pass
     except Exception as exc:  # after the 200 header an error can only travel in the stream
-        yield f"data: {json.dumps(error_body(str(exc), 'internal_error', 500))}\n\n".encode()
+        message = f"the request failed in a worker ({type(exc).__name__}); retry it"
+        yield f"data: {json.dumps(error_body(message, 'service_unavailable', 503))}\n\n".encode()
     finally:
         await events.aclose()  # a disconnected client lands here: the request is aborted and freed

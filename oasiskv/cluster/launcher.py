@@ -59,12 +59,13 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
     prefill_cls = ray.remote(PrefillWorker)
     decode_cls = ray.remote(DecodeWorker)
     prefill = [
-        WorkerSlot(f"prefill-{i}", prefill_cls.options(**_options(config, "prefill", max_concurrency=8)).remote(
+        WorkerSlot(f"prefill-{i}", prefill_cls.options(**_options(config, "prefill", max_concurrency=8, max_restarts=-1)).remote(
             config.model, config.dtype, config.decode.block_size, config.prefill_chunk_tokens, threads, config.transport))
         for i in range(config.prefill_workers)
     ]
     decode = [
-        WorkerSlot(f"decode-{i}", decode_cls.options(**_options(config, "decode", max_concurrency=1000)).remote(
+        # A dead worker is restarted by Ray (it reloads its model); requests in flight on it fail.
+        WorkerSlot(f"decode-{i}", decode_cls.options(**_options(config, "decode", max_concurrency=1000, max_restarts=-1)).remote(
             config.model, config.decode.model_dump(), config.dtype, threads, config.transport))
         for i in range(config.decode_workers)
     ]

@@ -113,6 +113,7 @@ class ClusterService:
         status = "error"
         decode_started = prefilled = False
         prefill_ref = None
+        worker_failed = False
         sent_text = ""
         token_count = 0
         last_token_time = None
@@ -156,9 +157,12 @@ class ClusterService:
             if status != "success":  # closed after the final event is a normal end
                 status = "abort"
             raise
+        except Exception:
+            worker_failed = True
+            raise
         finally:
             if status != "success":
-                await self._cancel(assignment, prefill_ref, prefilled, decode_started)
+                await self._cancel(assignment, prefill_ref, prefilled, decode_started and not worker_failed)
             self.router.release(assignment)
             m.running.dec()
             m.requests.labels(status=status).inc()

@@ -24,6 +24,7 @@ from ..models.transformer import DecoderModel
 from .attention import SparseAttention, StepRequest
 from .config import DecodeConfig
 from .counters import DecodeCounters
+from .io_thread import IOThreadClient
 from .lookahead import plan_replacements
 from .speculative import Draft, Drafter, NgramDrafter, verify
 from .working_set import DevicePool, RowPlan, WorkingSet
@@ -70,14 +71,14 @@ class DecodeEngine:
         self.config = config or DecodeConfig()
         self.model = model
         self.tokenizer = tokenizer
-        self.client = client
+        self.client = IOThreadClient(client, self.config.fetch_timeout_s)
         self.layout = kv_layout_for(model, self.config.block_size)
         self.pool = DevicePool(self.layout, int(self.config.kv_pool_gb * 2**30), self.config.device)
-        client.register(self.pool.tensor)
+        self.client.register(self.pool.tensor)
         self.counters = DecodeCounters()
         mc = model.config
         self.backend = SparseAttention(
-            self.pool, client, mc.sliding_window, mc.softmax_scale, self.config.max_replace_blocks,
+            self.pool, self.client, mc.sliding_window, mc.softmax_scale, self.config.max_replace_blocks,
             self.config.miss_policy, self.counters, self.config.fetch_timeout_s,
         )
         self.drafter = drafter if drafter is not None else NgramDrafter()

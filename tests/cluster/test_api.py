@@ -95,6 +95,10 @@ def test_sixteen_concurrent_streams_of_different_lengths(server, smollm2_llm):
         ({"model": DEFAULT_MODEL, "prompt": "", "max_tokens": 4}, 400, "empty"),
         ({"model": DEFAULT_MODEL, "prompt": [1] * 9000, "max_tokens": 4}, 413, "context"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "oasiskv_mode": "fast"}, 422, "oasiskv_mode"),
+        ({"model": DEFAULT_MODEL}, 422, "prompt"),
+        ({"prompt": "hi"}, 422, "model"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": -3}, 422, "max_tokens"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": "many"}, 422, "max_tokens"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, fragment):
@@ -102,6 +106,13 @@ def test_bad_requests_get_openai_errors(server, body, status, fragment):
     assert response.status_code == status
     error = response.json()["error"]
     assert fragment in error["message"] and error["code"] == status
+
+
+def test_malformed_json_is_400(server):
+    response = httpx.post(f"{server.url}/v1/chat/completions", content=b'{"model": "x", "messages": [',
+                          headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    assert response.status_code == 400
+    assert "malformed JSON" in response.json()["error"]["message"]
 
 
 def test_missing_or_wrong_api_key_is_401(server):
@@ -150,3 +161,40 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert "oasiskv_request_ttft_seconds_count" in text
     assert 'oasiskv_worker_healthy{role="decode",worker="decode-0"} 1.0' in text
     assert 'oasiskv_store_capacity_bytes{store="store-0"}' in text
+
+
+def _store_requests(server) -> int:
+    import ray
+
+    return ray.get(server.service.handles.stores[0].handle.stats.remote())["num_requests"]
+
+
+def test_killed_decode_worker_fails_its_request_and_the_server_recovers(server, client):
+    """Runs last: kills the decode actor mid-stream. Ray restarts it; the request in flight
+    ends with a clear error, its KV is freed, and later requests are served again."""
+    import ray
+
+    body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 500, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    decode = server.service.handles.decode[0].handle
+    lines = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            if len(lines) == 3:
+                ray.kill(decode, no_restart=False)
+    errors = [line for line in lines if '"error"' in line]
+    assert errors and "failed in a worker" in errors[0]
+    assert lines[-1] != "data: [DONE]"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            out = client.completions.create(model=DEFAULT_MODEL, prompt="hello", max_tokens=4, temperature=0)
+            break
+        except (openai.APIStatusError, openai.APIConnectionError):
+            time.sleep(1)
+    assert out.usage.completion_tokens == 4
+    while _store_requests(server) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _store_requests(server) == 0

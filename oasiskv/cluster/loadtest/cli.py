@@ -1,0 +1,201 @@
+"""Arguments and entry point of `oasiskv bench serve`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import numpy as np
+
+from .arrivals import arrival_offsets
+from .datasets import build_requests
+from .report import format_report, result_record, save_json
+from .runner import RunConfig, make_client, run_requests
+from .sse import RequestOptions, send_request
+from .stats import parse_goodput, summarize, timeline
+
+MAX_PROMPTS = 1_000_000
+
+
+def add_arguments_bench(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK")
+    sub.required = True
+    serve = sub.add_parser(
+        "serve", help="load-test an OpenAI-compatible endpoint (ours or vLLM's)",
+        description="Stream requests to an OpenAI-compatible endpoint on an arrival schedule and "
+                    "report throughput, goodput and TTFT/TPOT/ITL/E2E latency, as `vllm bench serve` does.")
+    add_serve_arguments(serve)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    target = p.add_argument_group("target")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="the server; the only address contacted (redirects are not followed)")
+    target.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                        help="/v1/completions or /v1/chat/completions")
+    target.add_argument("--model", help="model name to request (default: the first of /v1/models)")
+    target.add_argument("--api-key", default=os.environ.get("OASISKV_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                        help="bearer token (default: $OASISKV_API_KEY or $OPENAI_API_KEY)")
+
+    data = p.add_argument_group("dataset")
+    data.add_argument("--dataset", choices=("random", "files", "jsonl"), default="random")
+    data.add_argument("--num-prompts", type=int, default=100, help="requests to send")
+    data.add_argument("--random-input-len", type=int, default=1024)
+    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument("--random-range-ratio", type=float, default=0.0,
+                      help="lengths drawn uniformly from [len*(1-r), len*(1+r)]")
+    data.add_argument("--files-dir", type=Path, default=None,
+                      help="source files for long prompts (default: the Python standard library)")
+    data.add_argument("--files-glob", default="*.py")
+    data.add_argument("--files-input-len", type=int, default=4096)
+    data.add_argument("--files-output-len", type=int, default=256)
+    data.add_argument("--jsonl-path", type=Path, help='prompts, one {"prompt": ..., "max_tokens": ...} a line')
+    data.add_argument("--jsonl-output-len", type=int, default=128, help="max_tokens when a line has none")
+    data.add_argument("--tokenizer", help="tokenizer.json (or a directory with one) for exact prompt lengths")
+
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=math.inf,
+                      help="requests per second; inf sends all at once")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the arrival gaps: 1 is Poisson, <1 burstier, >1 steadier")
+    load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM/OasisKV extension)")
+    load.add_argument("--no-stream-usage", action="store_true",
+                      help="do not send stream_options.include_usage (servers that reject it)")
+    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    load.add_argument("--max-duration", type=float, default=3600.0,
+                      help="seconds for the whole run; then unsent requests are dropped, the rest cancelled")
+    load.add_argument("--skip-initial-test", action="store_true",
+                      help="do not send one short request first to check the endpoint")
+
+    out = p.add_argument_group("results")
+    out.add_argument("--goodput", nargs="+", metavar="KEY:MS",
+                     help="SLOs for goodput, in ms: ttft:MS tpot:MS e2e:MS")
+    out.add_argument("--percentiles", default="90,99", help="latency percentiles to report, e.g. 50,90,99")
+    out.add_argument("--save-result", action="store_true", help="write a JSON record and a PNG plot")
+    out.add_argument("--result-dir", type=Path, default=Path("."))
+    out.add_argument("--result-filename", help="default: bench-serve-<endpoint>-<dataset>-<time>.json")
+    out.add_argument("--no-plot", action="store_true", help="with --save-result: JSON only")
+    out.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="stored in the JSON record")
+    out.add_argument("--disable-tqdm", action="store_true")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "bench_command", None) == "serve":
+        return run_serve(args)
+    print(f"oasiskv bench: unknown benchmark {getattr(args, 'bench_command', None)!r}", file=sys.stderr)
+    return 2
+
+
+def _check_args(args: argparse.Namespace) -> tuple[dict, list[float]]:
+    url = urlsplit(args.base_url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ValueError(f"--base-url must be an http(s) URL, not {args.base_url!r}")
+    if not 1 <= args.num_prompts <= MAX_PROMPTS:
+        raise ValueError(f"--num-prompts must be in 1..{MAX_PROMPTS}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    if not (args.max_duration > 0 and args.request_timeout > 0):
+        raise ValueError("--max-duration and --request-timeout must be > 0")
+    if args.dataset == "jsonl" and not args.jsonl_path:
+        raise ValueError("--dataset jsonl needs --jsonl-path")
+    for name in ("random_input_len", "random_output_len", "files_input_len", "files_output_len", "jsonl_output_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    percentiles = [float(p) for p in str(args.percentiles).split(",") if p.strip()]
+    if any(not 0 < p < 100 for p in percentiles):
+        raise ValueError("--percentiles must be between 0 and 100")
+    return parse_goodput(args.goodput), percentiles
+
+
+async def _discover_model(config: RunConfig) -> str:
+    async with make_client(config, 1) as client:
+        response = await client.get("/v1/models")
+        response.raise_for_status()
+        models = response.json().get("data") or []
+        if not models:
+            raise ValueError("the server lists no models; pass --model")
+        return models[0]["id"]
+
+
+async def _initial_test(config: RunConfig, request) -> str | None:
+    probe = replace(request, max_tokens=min(request.max_tokens, 4))
+    async with make_client(config, 1) as client:
+        result = await send_request(client, -1, probe, config.options, time.perf_counter())
+    return None if result.success else result.error
+
+
+def _progress(total: int, disabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="requests", unit="req", disable=disabled, file=sys.stderr)
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    try:
+        slos, percentiles = _check_args(args)
+        rng = np.random.default_rng(args.seed)
+        requests = build_requests(args, rng)
+        offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, rng)
+    except (ValueError, OSError) as exc:
+        print(f"oasiskv bench serve: {exc}", file=sys.stderr)
+        return 2
+
+    options = RequestOptions(endpoint=args.endpoint, model=args.model or "", temperature=args.temperature,
+                             ignore_eos=args.ignore_eos, stream_usage=not args.no_stream_usage)
+    config = RunConfig(base_url=args.base_url.rstrip("/"), api_key=args.api_key, options=options,
+                       request_rate=args.request_rate, burstiness=args.burstiness,
+                       max_concurrency=args.max_concurrency, request_timeout_s=args.request_timeout,
+                       max_duration_s=args.max_duration)
+    if not args.model:
+        try:
+            config = replace(config, options=replace(options, model=await _discover_model(config)))
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            print(f"oasiskv bench serve: cannot list models at {args.base_url}: {exc}", file=sys.stderr)
+            return 1
+    if not args.skip_initial_test:
+        error = await _initial_test(config, requests[0])
+        if error:
+            print(f"oasiskv bench serve: the initial test request failed: {error}", file=sys.stderr)
+            return 1
+
+    with _progress(len(requests), args.disable_tqdm) as bar:
+        results, duration = await run_requests(requests, offsets, config, on_done=lambda _: bar.update(1))
+
+    summary = summarize(results, duration, slos, percentiles)
+    run_config = {
+        "base_url": config.base_url, "endpoint": args.endpoint, "model": config.options.model,
+        "dataset": args.dataset, "num_prompts": args.num_prompts, "request_rate": args.request_rate,
+        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
+        "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "metadata": dict(item.split("=", 1) for item in args.metadata if "=" in item),
+    }
+    print(format_report(summary, run_config))
+
+    if args.save_result:
+        series = timeline(results, duration)
+        name = args.result_filename or (
+            f"bench-serve-{args.endpoint}-{args.dataset}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+        path = save_json(result_record(summary, run_config, series, results), args.result_dir / name)
+        print(f"result: {path}")
+        if not args.no_plot:
+            from .plot import save_plot
+
+            title = f"{config.options.model} @ {config.base_url} ({args.dataset}, rate {args.request_rate:g}/s)"
+            print(f"plot:   {save_plot(results, series, title, path.with_suffix('.png'))}")
+    return 0 if summary["failed"] == 0 else 1
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    return asyncio.run(_serve(args))
