@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh --test
+bash scripts/install-deploy-tools.sh  # helm, promtool, prometheus, compose: the deploy checks need them
 exec .venv/bin/python -m pytest "$@"

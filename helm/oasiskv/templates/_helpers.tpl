@@ -1,0 +1,133 @@
+{{/* Names and labels. */}}
+{{- define "oasiskv.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Release-scoped name; KubeRay derives pod and service names from it, so keep it short. */}}
+{{- define "oasiskv.fullname" -}}
+{{- if contains .Chart.Name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "oasiskv.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "oasiskv.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "oasiskv.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "oasiskv.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: oasiskv
+{{- end }}
+
+{{- define "oasiskv.image" -}}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion .Values.image.device) -}}
+{{ printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+
+{{- define "oasiskv.apiKeySecretName" -}}
+{{- .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "oasiskv.fullname" .)) }}
+{{- end }}
+
+{{- define "oasiskv.rayAuthSecretName" -}}
+{{- .Values.rayAuth.existingSecret | default (printf "%s-ray-auth" (include "oasiskv.fullname" .)) }}
+{{- end }}
+
+{{- define "oasiskv.apiKeyEnabled" -}}
+{{- if or .Values.apiKey.value .Values.apiKey.existingSecret }}true{{ end }}
+{{- end }}
+
+{{/* Workers of a role as `oasiskv serve` counts them: pods x resource units per pod. */}}
+{{- define "oasiskv.workerCount" -}}
+{{- $group := index .root.Values.workers .role -}}
+{{- mul $group.replicas $group.rayResourceUnits -}}
+{{- end }}
+
+{{/* The rayStartParams `resources` value in KubeRay's documented format: a JSON object inside
+     literal double quotes, backslash-escaped, because KubeRay pastes it into a shell command. */}}
+{{- define "oasiskv.rayResources" -}}
+{{- printf "\"{\\\"oasiskv_%s\\\": %d}\"" .role (int .units) -}}
+{{- end }}
+
+{{/* Volumes every Ray pod mounts: shared memory for the object store, the model cache, /tmp. */}}
+{{- define "oasiskv.volumes" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.sharedMemory.sizeLimit }}
+- name: tmp
+  emptyDir: {}
+{{- if eq .Values.modelCache.volume "emptyDir" }}
+- name: model-cache
+  emptyDir:
+    sizeLimit: {{ .Values.modelCache.sizeLimit }}
+{{- else if eq .Values.modelCache.volume "persistentVolumeClaim" }}
+- name: model-cache
+  persistentVolumeClaim:
+    claimName: {{ .Values.modelCache.existingClaim | default (printf "%s-model-cache" (include "oasiskv.fullname" .)) }}
+{{- end }}
+{{- end }}
+
+{{- define "oasiskv.volumeMounts" -}}
+- name: dshm
+  mountPath: /dev/shm
+- name: tmp
+  mountPath: /tmp
+{{- if ne .Values.modelCache.volume "none" }}
+- name: model-cache
+  mountPath: /var/cache/oasiskv
+{{- end }}
+{{- end }}
+
+{{- define "oasiskv.env" -}}
+- name: OASISKV_CACHE
+  value: /var/cache/oasiskv
+- name: OASISKV_MODELS
+  value: {{ ternary .Values.serve.model "" .Values.modelCache.pullAtStart | quote }}
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+- name: RAY_AUTH_MODE
+  value: {{ ternary "token" "disabled" .Values.rayAuth.enabled }}
+{{- if .Values.rayAuth.enabled }}
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "oasiskv.rayAuthSecretName" . }}
+      key: {{ .Values.rayAuth.secretKey }}
+{{- end }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Exec probe of Ray worker pods: a raylet runs and the head's GCS answers. */}}
+{{- define "oasiskv.workerProbes" -}}
+startupProbe:
+  exec:
+    command: [python, /opt/oasiskv/healthcheck.py]
+  periodSeconds: 10
+  timeoutSeconds: 5
+  # the first start pulls and converts the model
+  failureThreshold: 90
+livenessProbe:
+  exec:
+    command: [python, /opt/oasiskv/healthcheck.py]
+  periodSeconds: 20
+  timeoutSeconds: 5
+  failureThreshold: 3
+readinessProbe:
+  exec:
+    command: [python, /opt/oasiskv/healthcheck.py]
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 2
+{{- end }}

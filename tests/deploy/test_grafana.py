@@ -1,0 +1,244 @@
+"""Grafana dashboards: schema-level checks of the JSON, and every panel query run against a real
+Prometheus that scrapes the contract's metrics (skipped only when the prometheus binary is absent)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from itertools import combinations
+
+import pytest
+import yaml
+
+from .conftest import REPO, require_tool
+from .contract_metrics import HISTOGRAMS, ContractExporter, exposed_names
+
+GRAFANA = REPO / "deploy" / "grafana"
+
+
+def _load_panel_queries():
+    spec = importlib.util.spec_from_file_location("panel_queries", GRAFANA / "panel_queries.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+pq = _load_panel_queries()
+DASHBOARDS = {path.name: json.loads(path.read_text()) for path in pq.dashboard_files()}
+DS_UID = "${datasource}"
+
+
+def test_both_dashboards_exist():
+    assert set(DASHBOARDS) == {"oasiskv-overview.json", "oasiskv-kv.json"}
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_dashboard_top_level_follows_grafana_schema(name):
+    d = DASHBOARDS[name]
+    assert isinstance(d["schemaVersion"], int) and d["schemaVersion"] >= 36
+    assert d["uid"] and len(d["uid"]) <= 40 and d["title"]
+    assert d["id"] is None, "provisioned dashboards must not carry a database id"
+    assert isinstance(d["panels"], list) and d["panels"]
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_panel_ids_unique_and_grid_positions_sane(name):
+    panels = list(pq.iter_panels(DASHBOARDS[name]["panels"]))
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), f"duplicate panel ids in {name}"
+    boxes = []
+    for p in panels:
+        grid = p["gridPos"]
+        assert {"h", "w", "x", "y"} <= grid.keys(), p["title"]
+        assert all(isinstance(grid[k], int) and grid[k] >= 0 for k in "hwxy")
+        assert grid["w"] >= 1 and grid["h"] >= 1 and grid["x"] + grid["w"] <= 24, p["title"]
+        boxes.append((p["title"], grid))
+    for (ta, a), (tb, b) in combinations(boxes, 2):
+        overlap = (a["x"] < b["x"] + b["w"] and b["x"] < a["x"] + a["w"]
+                   and a["y"] < b["y"] + b["h"] and b["y"] < a["y"] + a["h"])
+        assert not overlap, f"{name}: panels {ta!r} and {tb!r} overlap"
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_every_panel_queries_prometheus_through_the_datasource_variable(name):
+    for panel in pq.iter_panels(DASHBOARDS[name]["panels"]):
+        if panel["type"] == "row":
+            continue
+        assert panel["datasource"] == {"type": "prometheus", "uid": DS_UID}, panel["title"]
+        targets = panel["targets"]
+        assert targets, f"{panel['title']} has no query"
+        ref_ids = [t["refId"] for t in targets]
+        assert len(ref_ids) == len(set(ref_ids)), panel["title"]
+        for target in targets:
+            assert target["expr"].strip(), f"{panel['title']} {target['refId']}: empty expr"
+            assert target["datasource"]["uid"] == DS_UID
+
+
+def test_queries_use_only_contract_metrics():
+    allowed = exposed_names()
+    for query in pq.load_queries():
+        names = pq.metric_names(query.expr)
+        assert names, f"{query.panel_title}: no metric found in {query.expr!r}"
+        unknown = names - allowed
+        assert not unknown, f"{query.panel_title}: not in the metrics contract: {sorted(unknown)}"
+        assert all(n.startswith("oasiskv_") for n in names)
+
+
+def test_the_api_exposes_every_name_the_dashboards_and_rules_use():
+    """Against the API's real metrics registry, not only the contract's list."""
+    metrics_module = pytest.importorskip("oasiskv.cluster.metrics")
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    metrics = metrics_module.ServingMetrics()
+    metrics.requests.labels("success").inc()
+    for histogram in (metrics.ttft, metrics.itl, metrics.tpot, metrics.e2e):
+        histogram.observe(0.1)
+    metrics.prompt_tokens.inc(10)
+    metrics.generation_tokens.inc(5)
+    metrics.worker_stats["decode-0"] = {}
+    metrics.store_stats["store-0"] = {"used_bytes": 1, "capacity_bytes": 2}
+    metrics.health[("decode", "decode-0")] = True
+    metrics.nixl_rate["decode-0"] = 1.0
+    exposition = generate_latest(metrics.registry).decode()
+    exposed = {sample.name for family in text_string_to_metric_families(exposition) for sample in family.samples}
+    used = set().union(*(pq.metric_names(q.expr) for q in pq.load_queries()))
+    rules = yaml.safe_load((REPO / "deploy" / "prometheus" / "rules" / "oasiskv.rules.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            used |= {n for n in pq.metric_names(rule["expr"]) if n.startswith("oasiskv_")}
+    assert used - exposed == set()
+
+
+def test_every_contract_metric_is_on_a_dashboard():
+    used = set().union(*(pq.metric_names(q.expr) for q in pq.load_queries()))
+    shown = {n.removesuffix("_bucket") for n in used}
+    wanted = {n for n in exposed_names() if not n.endswith(("_sum", "_count", "_bucket"))} | set(HISTOGRAMS)
+    assert wanted - shown == set()
+
+
+def test_overview_shows_p50_p90_p99_of_every_latency():
+    exprs = [q.expr for q in pq.iter_queries(DASHBOARDS["oasiskv-overview.json"])]
+    for histogram in HISTOGRAMS:
+        for quantile in ("0.5", "0.9", "0.99"):
+            assert any(f"histogram_quantile({quantile}," in e and f"{histogram}_bucket" in e for e in exprs), (
+                histogram, quantile)
+
+
+def test_dashboard_links_point_at_existing_dashboards():
+    uids = {d["uid"] for d in DASHBOARDS.values()}
+    assert len(uids) == len(DASHBOARDS)
+    for d in DASHBOARDS.values():
+        for link in d.get("links", []):
+            assert link["url"].removeprefix("/d/") in uids
+
+
+def test_render_and_metric_names():
+    expr = 'sum by (le) (rate(oasiskv_request_ttft_seconds_bucket{status!="x"}[$__rate_interval]))'
+    assert pq.render(expr, {"__rate_interval": "5s"}).endswith("[5s]))")
+    assert pq.metric_names(expr) == {"oasiskv_request_ttft_seconds_bucket"}
+    assert pq.metric_names("a / ignoring(status) group_left() b or vector(0)") == {"a", "b"}
+    with pytest.raises(KeyError):
+        pq.render("rate(x[$unknown])")
+
+
+def test_provisioning_files_are_valid():
+    datasources = yaml.safe_load((GRAFANA / "provisioning" / "datasources" / "prometheus.yml").read_text())
+    (source,) = datasources["datasources"]
+    assert source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    providers = yaml.safe_load((GRAFANA / "provisioning" / "dashboards" / "oasiskv.yml").read_text())
+    (provider,) = providers["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"].startswith("/var/lib/grafana/dashboards")
+
+
+# --- every query against a real Prometheus ------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _query(base: str, expr: str) -> dict:
+    return pq.run_query(base, expr, timeout_s=5)
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory):
+    binary = require_tool("prometheus")
+    exporter = ContractExporter()
+    target = exporter.start()
+    work = tmp_path_factory.mktemp("prometheus")
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "oasiskv-api", "static_configs": [{"targets": [target]}]}],
+    }
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = _free_port()
+    process = subprocess.Popen(
+        [binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # ready, and enough scrapes for a 5 s rate window
+            assert process.poll() is None, process.stderr.read().decode()
+            try:
+                answer = _query(base, "count_over_time(up[1m])")
+                samples = answer["data"]["result"]
+                if samples and float(samples[0]["value"][1]) >= 6:
+                    break
+            except (OSError, KeyError):
+                pass
+            assert time.monotonic() < deadline, "Prometheus did not scrape the exporter in 30 s"
+            time.sleep(0.5)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        exporter.stop()
+
+
+def test_every_panel_query_returns_data_from_a_real_prometheus(prometheus):
+    failures = []
+    for query in pq.load_queries():
+        expr = pq.render(query.expr, {"__rate_interval": "5s"})
+        answer = _query(prometheus, expr)
+        result = answer.get("data", {}).get("result", [])
+        values = [float(series["value"][1]) for series in result]
+        if answer.get("status") != "success" or not values or not all(math.isfinite(v) for v in values):
+            failures.append(f"{query.dashboard}/{query.panel_title}/{query.ref_id}: {expr} -> {answer}")
+    assert not failures, "\n".join(failures)
+
+
+def test_alert_rule_expressions_run_on_the_contract_metrics(prometheus):
+    rules = yaml.safe_load((REPO / "deploy" / "prometheus" / "rules" / "oasiskv.rules.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            answer = _query(prometheus, rule["expr"])
+            assert answer["status"] == "success", (rule["alert"], answer)
+
+
+def test_panel_queries_command_line_runs_queries(prometheus):
+    with urllib.request.urlopen(f"{prometheus}/-/ready", timeout=5) as response:
+        assert response.status == 200
+    result = subprocess.run(
+        [sys.executable, str(GRAFANA / "panel_queries.py"), "--prometheus", prometheus],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == len(pq.load_queries())
+    assert all(r["status"] == "success" for r in records)

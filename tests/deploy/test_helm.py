@@ -1,0 +1,347 @@
+"""Helm chart: `helm lint`, `helm template` for each value set under helm/oasiskv/ci, strict
+validation of the output, and the wiring between the objects.
+
+Built-in kinds go through `kubernetes-validate --strict`. It does not know custom resources
+(it only warns), so those are checked here instead: RayCluster, ServiceMonitor, PodMonitor and
+PrometheusRule against the schema subsets in helm/oasiskv/crd-schema (written from the
+operators' CRDs), and every RayCluster pod template, wrapped in a core/v1 PodTemplate, again
+with `kubernetes-validate --strict`. A kind that neither path knows fails the test.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import tarfile
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+
+from .conftest import REPO, require_tool, run
+
+CHART = REPO / "helm" / "oasiskv"
+VALUE_SETS = {"default": None, **{p.stem.removesuffix("-values"): p for p in sorted((CHART / "ci").glob("*.yaml"))}}
+CRD_SCHEMAS = {
+    "RayCluster": CHART / "crd-schema" / "raycluster.v1.json",
+    "ServiceMonitor": CHART / "crd-schema" / "monitoring.coreos.com.v1.json",
+    "PodMonitor": CHART / "crd-schema" / "monitoring.coreos.com.v1.json",
+    "PrometheusRule": CHART / "crd-schema" / "monitoring.coreos.com.v1.json",
+}
+# Kubernetes versions the output must be valid for: a common older cluster and the newest known.
+KUBERNETES_VERSIONS = ["1.28.0", "1.37.0"]
+ROLES = ("prefill", "decode", "store")
+
+
+def helm_template(values: Path | None, *extra: str, check: bool = True):
+    argv = [require_tool("helm"), "template", "oasis", str(CHART), "--namespace", "llm"]
+    if values is not None:
+        argv += ["--values", str(values)]
+    return run(argv + list(extra), check=check)
+
+
+@pytest.fixture(scope="module", params=sorted(VALUE_SETS))
+def rendered(request) -> tuple[str, list[dict]]:
+    output = helm_template(VALUE_SETS[request.param]).stdout
+    return request.param, [doc for doc in yaml.safe_load_all(output) if doc]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def kinds(docs: list[dict]) -> set[str]:
+    return {d["kind"] for d in docs}
+
+
+def head_args(cluster: dict) -> dict[str, str]:
+    args = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "head"
+    flags = args[1:]
+    return {flags[i]: flags[i + 1] if i + 1 < len(flags) and not flags[i + 1].startswith("--") else ""
+            for i in range(len(flags)) if flags[i].startswith("--")}
+
+
+def ray_resources(group: dict) -> dict[str, int]:
+    """rayStartParams.resources is shell-quoted JSON, KubeRay's documented format."""
+    value = group["rayStartParams"]["resources"]
+    assert value.startswith('"') and value.endswith('"'), value
+    return json.loads(value[1:-1].replace('\\"', '"'))
+
+
+def pod_templates(cluster: dict) -> list[tuple[str, dict]]:
+    spec = cluster["spec"]
+    return [("head", spec["headGroupSpec"]["template"])] + [
+        (g["groupName"], g["template"]) for g in spec["workerGroupSpecs"]]
+
+
+def kubernetes_validate(docs: list[dict], tmp_path: Path) -> None:
+    tool = require_tool("kubernetes-validate")
+    path = tmp_path / "manifests.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    for version in KUBERNETES_VERSIONS:
+        result = run([tool, "--strict", "-k", version, str(path)], check=False)
+        problems = [line for line in result.stdout.splitlines() if not line.startswith("INFO")]
+        assert result.returncode == 0 and not problems, result.stdout + result.stderr
+        assert result.stdout.count(" passed ") == len(docs), result.stdout
+
+
+# --- lint and validation -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_helm_lint_strict(name):
+    argv = [require_tool("helm"), "lint", "--strict", str(CHART)]
+    if VALUE_SETS[name] is not None:
+        argv += ["--values", str(VALUE_SETS[name])]
+    assert "0 chart(s) failed" in run(argv).stdout
+
+
+def test_builtin_kinds_pass_kubernetes_validate_strict(rendered, tmp_path):
+    _, docs = rendered
+    builtin = [d for d in docs if d["kind"] not in CRD_SCHEMAS]
+    assert builtin
+    kubernetes_validate(builtin, tmp_path)
+
+
+def test_raycluster_pod_templates_pass_kubernetes_validate_strict(rendered, tmp_path):
+    _, docs = rendered
+    cluster = one(docs, "RayCluster")
+    wrapped = [{"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"template-{group}"},
+                "template": template} for group, template in pod_templates(cluster)]
+    kubernetes_validate(wrapped, tmp_path)
+
+
+def test_custom_resources_match_their_crd_schema(rendered):
+    _, docs = rendered
+    for doc in docs:
+        if doc["kind"] in CRD_SCHEMAS:
+            schema = json.loads(CRD_SCHEMAS[doc["kind"]].read_text())
+            jsonschema.Draft202012Validator.check_schema(schema)
+            jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
+
+
+def test_crd_schema_catches_a_misspelt_field(rendered):
+    _, docs = rendered
+    cluster = json.loads(json.dumps(one(docs, "RayCluster")))
+    cluster["spec"]["workerGroupSpecs"][0]["minReplica"] = 1
+    schema = json.loads(CRD_SCHEMAS["RayCluster"].read_text())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(cluster, schema, cls=jsonschema.Draft202012Validator)
+    cluster = json.loads(json.dumps(one(docs, "RayCluster")))
+    cluster["spec"]["workerGroupSpecs"][0]["rayStartParams"]["num-cpus"] = 2  # must be a string
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(cluster, schema, cls=jsonschema.Draft202012Validator)
+
+
+def test_values_schema_rejects_bad_values():
+    for bad in ("workers.decode.replicas=0", "serve.mode=fast", "image.device=tpu", "serve.port=6379",
+                "networkPolicy.apiFrom[0].podSelectr.a=b"):
+        result = helm_template(None, "--set", bad, check=False)
+        assert result.returncode != 0 and "schema" in result.stderr, (bad, result.stderr)
+
+
+# --- wiring --------------------------------------------------------------------------------------
+
+def test_serve_worker_counts_and_placement_match_the_worker_groups(rendered):
+    name, docs = rendered
+    cluster = one(docs, "RayCluster")
+    args = head_args(cluster)
+    assert args["--placement"] == "resources"
+    assert "--address" not in args  # the entrypoint adds `--address auto` after starting the head
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    assert set(groups) == set(ROLES)
+    flag = {"prefill": "--prefill-workers", "decode": "--decode-workers", "store": "--stores"}
+    for role, group in groups.items():
+        resources = ray_resources(group)
+        assert set(resources) == {f"oasiskv_{role}"}, (name, role, resources)
+        assert group["replicas"] == group["minReplicas"] == group["maxReplicas"]
+        assert int(args[flag[role]]) == group["replicas"] * resources[f"oasiskv_{role}"], (name, role)
+    assert cluster["spec"]["enableInTreeAutoscaling"] is False
+
+
+def test_every_ray_container_runs_the_entrypoint_with_overwritten_kuberay_command(rendered):
+    _, docs = rendered
+    cluster = one(docs, "RayCluster")
+    for group, template in pod_templates(cluster):
+        assert template["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+        container = template["spec"]["containers"][0]
+        assert container["command"] == ["/usr/bin/tini", "--", "/opt/oasiskv/entrypoint.sh"]
+        assert container["args"][0] == ("head" if group == "head" else "kuberay")
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["metrics"] == 8080, group  # otherwise KubeRay appends its own
+        # explicit probes: KubeRay's injected ones wget the Ray dashboard, which the head does not run
+        assert {"livenessProbe", "readinessProbe", "startupProbe"} <= container.keys()
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert "/dev/shm" in mounts
+        if group == "head":
+            # a degraded cluster (/health 503) leaves the Service, but the head is not restarted
+            assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+            assert "tcpSocket" in container["livenessProbe"]
+        else:
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["OASISKV_ROLE"] == group
+
+
+def effective_values(name: str) -> dict:
+    """values.yaml overlaid with the value set, as Helm merges them (maps deep, lists replaced)."""
+    def overlay(base, top):
+        if isinstance(base, dict) and isinstance(top, dict):
+            return {k: overlay(base.get(k), top[k]) if k in top else base[k] for k in base.keys() | top.keys()}
+        return top
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    return overlay(values, yaml.safe_load(VALUE_SETS[name].read_text())) if VALUE_SETS[name] else values
+
+
+def test_gpus_requested_exactly_where_configured(rendered):
+    name, docs = rendered
+    cluster = one(docs, "RayCluster")
+    values = effective_values(name)
+    for group, template in pod_templates(cluster):
+        resources = template["spec"]["containers"][0]["resources"]
+        configured = values["head"] if group == "head" else values["workers"][group]
+        wanted = configured.get("gpus", 0)
+        for kind in ("limits", "requests"):
+            assert resources.get(kind, {}).get("nvidia.com/gpu", 0) == wanted, (name, group, kind)
+            others = {k: v for k, v in resources.get(kind, {}).items() if k != "nvidia.com/gpu"}
+            assert others == configured["resources"][kind], (name, group, kind)
+    if name == "gpu-cluster":
+        assert {g: one_gpu(t) for g, t in pod_templates(cluster)} == {
+            "head": 0, "prefill": 1, "decode": 1, "store": 0}
+        image = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+        assert image.endswith("-cuda")
+
+
+def one_gpu(template: dict) -> int:
+    return template["spec"]["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu", 0)
+
+
+def test_api_service_and_monitors_select_what_exists(rendered):
+    name, docs = rendered
+    cluster = one(docs, "RayCluster")
+    head = cluster["spec"]["headGroupSpec"]["template"]
+    service = one(docs, "Service")
+    assert service["spec"]["selector"].items() <= head["metadata"]["labels"].items()
+    (port,) = service["spec"]["ports"]
+    head_ports = {p["name"] for p in head["spec"]["containers"][0]["ports"]}
+    assert port["targetPort"] in head_ports
+    if "ServiceMonitor" in kinds(docs):
+        monitor = one(docs, "ServiceMonitor")
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+        assert monitor["spec"]["endpoints"][0]["port"] == port["name"]
+        assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "oasiskv-api"
+    if "PodMonitor" in kinds(docs):
+        monitor = one(docs, "PodMonitor")
+        for group, template in pod_templates(cluster):
+            assert monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+
+
+def test_network_policy_keeps_ray_and_nixl_inside_the_release(rendered):
+    name, docs = rendered
+    policies = {d["metadata"]["name"].rsplit("-", 1)[-1]: d for d in docs if d["kind"] == "NetworkPolicy"}
+    if name == "minimal":
+        assert not policies
+        return
+    cluster = one(docs, "RayCluster")
+    internal = policies["internal"]["spec"]
+    release = internal["podSelector"]["matchLabels"]
+    assert release["app.kubernetes.io/instance"] == "oasis"
+    for _, template in pod_templates(cluster):
+        assert release.items() <= template["metadata"]["labels"].items()
+    # any port (Ray and NIXL pick some at run time), but only from pods of this release
+    (rule,) = internal["ingress"]
+    assert "ports" not in rule and rule["from"] == [{"podSelector": {"matchLabels": release}}]
+    for extra in ("api", "metrics"):
+        for rule in policies.get(extra, {"spec": {"ingress": []}})["spec"]["ingress"]:
+            assert {p["port"] for p in rule["ports"]} <= {"api", "metrics"}, "only API/metrics ports open"
+    assert policies["api"]["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "head"
+
+
+def test_dashboards_and_rules_are_the_deploy_files(rendered):
+    name, docs = rendered
+    if name == "minimal":
+        assert not kinds(docs) & {"ConfigMap", "PrometheusRule", "ServiceMonitor", "PodMonitor"}
+        return
+    configmap = one(docs, "ConfigMap")
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    files = {p.name: p.read_text() for p in (REPO / "deploy" / "grafana" / "dashboards").glob("*.json")}
+    assert {k: json.loads(v) for k, v in configmap["data"].items()} == {k: json.loads(v) for k, v in files.items()}
+    rules = yaml.safe_load((REPO / "deploy" / "prometheus" / "rules" / "oasiskv.rules.yml").read_text())
+    assert one(docs, "PrometheusRule")["spec"]["groups"] == rules["groups"]
+
+
+def test_api_key_comes_from_a_secret(rendered):
+    name, docs = rendered
+    cluster = one(docs, "RayCluster")
+    env = {e["name"]: e for e in cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]}
+    secrets = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-api-key")]
+    if name == "cpu-demo":
+        (secret,) = secrets
+        ref = env["OASISKV_API_KEY"]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == secret["metadata"]["name"]
+        assert base64.b64decode(secret["data"][ref["key"]]) == b"demo-key"
+    elif name == "gpu-cluster":
+        assert not secrets
+        assert env["OASISKV_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "oasiskv-api-key", "key": "key"}
+    else:
+        assert not secrets and "OASISKV_API_KEY" not in env
+    assert "--api-key" not in head_args(cluster), "the key must not appear in the manifest"
+
+
+def test_model_cache_volume_follows_values(rendered):
+    name, docs = rendered
+    cluster = one(docs, "RayCluster")
+    for _, template in pod_templates(cluster):
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        if name == "minimal":
+            assert "model-cache" not in volumes
+        elif name == "gpu-cluster":
+            claim = volumes["model-cache"]["persistentVolumeClaim"]["claimName"]
+            pvc = one(docs, "PersistentVolumeClaim")
+            assert claim == pvc["metadata"]["name"]
+            assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+        else:
+            assert "emptyDir" in volumes["model-cache"]
+
+
+def test_packaged_chart_resolves_the_linked_files_and_leaves_out_test_schemas(tmp_path):
+    run([require_tool("helm"), "package", str(CHART), "--destination", str(tmp_path)])
+    (package,) = tmp_path.glob("oasiskv-*.tgz")
+    with tarfile.open(package) as archive:
+        names = set(archive.getnames())
+    assert "oasiskv/files/dashboards/oasiskv-overview.json" in names
+    assert "oasiskv/files/prometheus-rules/oasiskv.rules.yml" in names
+    assert not any("crd-schema" in n for n in names)
+
+
+def test_every_ray_process_shares_one_ray_auth_token(rendered):
+    """Ray 2.60 turns token authentication on by itself when it finds a token file; the release
+    says which mode it wants and hands every Ray container (and so KubeRay's wait-for-GCS init
+    container, which copies the Ray container's environment) the same token."""
+    name, docs = rendered
+    cluster = one(docs, "RayCluster")
+    values = effective_values(name)
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    refs = set()
+    for group, template in pod_templates(cluster):
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == ("token" if values["rayAuth"]["enabled"] else "disabled")
+        ref = env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]
+        refs.add((ref["name"], ref["key"]))
+    (secret_name, key), = refs
+    if values["rayAuth"]["existingSecret"]:
+        assert secret_name == values["rayAuth"]["existingSecret"] and secret_name not in secrets
+    else:
+        token = base64.b64decode(secrets[secret_name]["data"][key])
+        assert len(token) == 48 and token.isalnum()
+
+
+def test_ray_auth_can_be_disabled_explicitly():
+    docs = [d for d in yaml.safe_load_all(helm_template(None, "--set", "rayAuth.enabled=false").stdout) if d]
+    cluster = one(docs, "RayCluster")
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-ray-auth")]
+    for _, template in pod_templates(cluster):
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "disabled" and "RAY_AUTH_TOKEN" not in env
