@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import AsyncIterator
 
+from ..decode_node.working_set import plan_rows
 from ..models.sampling import SamplingParams
 from .config import ServeConfig
 from .launcher import ClusterHandles
@@ -93,11 +94,7 @@ class ClusterService:
 
     # -- one request ---------------------------------------------------------------------
     def rows_needed(self, prompt_tokens: int, max_tokens: int, mode: str | None, budget: int | None) -> int:
-        c = self.config.decode
-        bs = c.block_size
-        if (mode or c.mode) == "dense":
-            return -(-(prompt_tokens + max_tokens + c.num_draft_tokens + 1) // bs) + 1
-        return c.sink_blocks + c.window_blocks + 1 + (budget or c.budget_tokens) // bs
+        return plan_rows(self.config.decode, prompt_tokens, max_tokens, mode, budget).total
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        mode: str | None = None, budget_tokens: int | None = None) -> AsyncIterator[Event]:

@@ -17,10 +17,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.attention import AttentionBatch, attend_gathered, batch_queries, position_mask, unbatch_outputs
+from ..models.attention import (
+    PAD_POSITION,
+    AttentionBatch,
+    attend_gathered,
+    batch_queries,
+    position_mask,
+    unbatch_outputs,
+)
 from .counters import DecodeCounters
 from .lookahead import plan_replacements, recall, score_blocks, top_blocks
-from .working_set import _PAD_POSITION, EMPTY, DevicePool, WorkingSet
+from .working_set import EMPTY, DevicePool, WorkingSet
 
 
 @dataclass
@@ -146,7 +153,7 @@ class SparseAttention:
         keys = gathered[:, :, :, 0].reshape(num_seqs, kv_heads, -1, layout.head_dim)
         values = gathered[:, :, :, 1].reshape(num_seqs, kv_heads, -1, layout.head_dim)
         width = keys.shape[2]
-        positions = torch.full((num_seqs, kv_heads, width), _PAD_POSITION, dtype=torch.long)
+        positions = torch.full((num_seqs, kv_heads, width), PAD_POSITION, dtype=torch.long)
         for i, req in enumerate(self.requests):
             own = req.ws.key_positions(layer)
             positions[i, :, : own.shape[1]] = own

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.attention import AttentionBatch, PagedAttention
+from ..models.attention import PAD_POSITION, AttentionBatch, PagedAttention
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
 from ..models.sampling import SamplingParams, make_generator, target_probs
 from ..models.transformer import DecoderModel
 from .speculative import Draft, DrafterMismatch
 
-_PAD_POSITION = 1 << 40
 
 
 @dataclass
@@ -59,7 +58,7 @@ class DraftModelDrafter:
             blocks = self.cache.allocator.allocate(self.slots_per_request // self.cache.block_size)
             region = (torch.tensor(blocks)[:, None] * self.cache.block_size + torch.arange(self.cache.block_size)).reshape(-1)
             generator = None if params.greedy else make_generator(None if params.seed is None else params.seed + 2)
-            self.states[request_id] = _DraftState(region, torch.full((len(region),), _PAD_POSITION), [], generator)
+            self.states[request_id] = _DraftState(region, torch.full((len(region),), PAD_POSITION), [], generator)
         return self.states[request_id]
 
     @torch.inference_mode()

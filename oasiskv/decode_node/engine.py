@@ -27,7 +27,7 @@ from .counters import DecodeCounters
 from .io_thread import IOThreadClient
 from .lookahead import plan_replacements
 from .speculative import Draft, Drafter, NgramDrafter, verify
-from .working_set import DevicePool, RowPlan, WorkingSet
+from .working_set import DevicePool, RowPlan, WorkingSet, plan_rows
 
 
 @dataclass
@@ -90,12 +90,7 @@ class DecodeEngine:
     # -- admission -----------------------------------------------------------------------
     def row_plan(self, prompt_tokens: int, max_tokens: int, mode: str | None = None,
                  budget_tokens: int | None = None) -> RowPlan:
-        c, bs = self.config, self.config.block_size
-        if (mode or c.mode) == "dense":
-            blocks = -(-(prompt_tokens + max_tokens + c.num_draft_tokens + 1) // bs)
-            return RowPlan(sinks=0, ring=blocks + 1, budget=0)
-        budget = (budget_tokens or c.budget_tokens) // bs
-        return RowPlan(sinks=c.sink_blocks, ring=c.window_blocks + 1, budget=budget)
+        return plan_rows(self.config, prompt_tokens, max_tokens, mode, budget_tokens)
 
     def add(self, prefill, params: SamplingParams, mode: str | None = None, budget_tokens: int | None = None) -> str:
         """Queue a prefilled request (a prefill_node.PrefillResult). `mode` and `budget_tokens`

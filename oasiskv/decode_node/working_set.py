@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kvstore import KVLayout
+from ..models.attention import PAD_POSITION
 from ..models.kv_cache import BlockAllocator
 
 EMPTY = -1
-_PAD_POSITION = 1 << 40
 
 
 class DevicePool:
@@ -63,6 +63,18 @@ class RowPlan:
     @property
     def total(self) -> int:
         return self.sinks + self.ring + self.budget
+
+
+def plan_rows(config, prompt_tokens: int, max_tokens: int, mode: str | None = None,
+              budget_tokens: int | None = None) -> RowPlan:
+    """Rows a request needs in a decode pool (config: a DecodeConfig). Shared by the engine's
+    admission and the cluster router's accounting, so both agree on what fits."""
+    bs = config.block_size
+    if (mode or config.mode) == "dense":
+        blocks = -(-(prompt_tokens + max_tokens + config.num_draft_tokens + 1) // bs)
+        return RowPlan(sinks=0, ring=blocks + 1, budget=0)
+    budget = (budget_tokens or config.budget_tokens) // bs
+    return RowPlan(sinks=config.sink_blocks, ring=config.window_blocks + 1, budget=budget)
 
 
 @dataclass
@@ -117,4 +129,4 @@ class WorkingSet:
         offsets = torch.arange(self.block_size)
         positions = blocks[:, :, None] * self.block_size + offsets
         hidden = (blocks == EMPTY) | self.in_flight[layer]
-        return positions.masked_fill(hidden[:, :, None], _PAD_POSITION).reshape(self.num_kv_heads, -1)
+        return positions.masked_fill(hidden[:, :, None], PAD_POSITION).reshape(self.num_kv_heads, -1)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .kv_cache import PagedKVCache
 
 # Position given to padding keys: larger than any query position, so causality masks them.
-_PAD_POSITION = 1 << 40
+PAD_POSITION = 1 << 40
 # Up to this many query rows per sequence (decode, speculative verification) attention runs in
 # fp32 with explicit matmuls; longer (prefill) chunks use SDPA.
 _SMALL_QUERY_ROWS = 16
@@ -44,7 +44,7 @@ class AttentionBatch:
     query_rows: torch.Tensor  # [B, Tq] row of the flat token batch (tokens = padding row)
     query_positions: torch.Tensor  # [B, Tq]
     key_slots: torch.Tensor  # [B, L] or [B, kv_heads, L] cache slot of each key
-    key_positions: torch.Tensor  # same shape as key_slots; padding = _PAD_POSITION
+    key_positions: torch.Tensor  # same shape as key_slots; padding = PAD_POSITION
     output_rows: torch.Tensor  # [tokens] index into the padded [B * Tq] outputs
     _masks: dict = field(default_factory=dict, repr=False)
 
@@ -79,7 +79,7 @@ class AttentionBatch:
         rows = torch.full((num_seqs, max_q), total, dtype=torch.long)
         qpos = torch.zeros((num_seqs, max_q), dtype=torch.long)
         kslots = torch.zeros((num_seqs, *head_shape, max_k), dtype=torch.long)
-        kpos = torch.full((num_seqs, *head_shape, max_k), _PAD_POSITION, dtype=torch.long)
+        kpos = torch.full((num_seqs, *head_shape, max_k), PAD_POSITION, dtype=torch.long)
         out_rows = torch.empty(total, dtype=torch.long)
         start = 0
         for i, (n, qp, ks, kp) in enumerate(zip(lengths, query_positions, key_slots, key_positions)):
