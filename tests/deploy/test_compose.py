@@ -5,6 +5,7 @@ Prometheus and Grafana mounts, and which ports leave the host."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import yaml
@@ -16,7 +17,10 @@ GPU_OVERRIDE = REPO / "deploy" / "compose.gpu.yml"
 
 def compose(*args: str, env: dict | None = None, check: bool = True):
     argv = [require_tool("docker-compose"), "--project-directory", str(REPO), "-f", str(REPO / "docker-compose.yml")]
-    return run(argv + list(args), env=env, check=check)
+    # The file's defaults are what is checked: variables it interpolates must not leak in from
+    # this process (Ray exports RAY_AUTH_MODE=token once a test in the session has started Ray).
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "OASISKV_", "GRAFANA_"))}
+    return run(argv + list(args), env={**clean, **(env or {})}, check=check)
 
 
 def resolved(*files: str, env: dict | None = None) -> dict:
@@ -77,7 +81,7 @@ def test_worker_counts_follow_the_replicas(model):
 def test_worker_counts_move_together_when_scaled(tmp_path):
     import os
 
-    scaled = resolved(env={**os.environ, "OASISKV_DECODE_WORKERS": "3"})
+    scaled = resolved(env={"OASISKV_DECODE_WORKERS": "3"})
     assert _head_flags(scaled)["--decode-workers"] == "3"
     assert scaled["services"]["decode"]["deploy"]["replicas"] == 3
 
