@@ -50,25 +50,45 @@ def bench_prefill(llm: LLM, hf, ids: list[int], repeats: int) -> dict:
 
 
 def bench_decode(llm: LLM, hf, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
-    """Decode tokens/s = generated tokens / (time to generate N tokens - time to generate 1)."""
+    """Decode tokens/s: only the decode steps are timed (after every prompt is prefilled), for
+    both engines, so prefill noise never leaks into the figure."""
     batch = len(prompts)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    first = SamplingParams(max_tokens=1, ignore_eos=True)
-    ours = _median_seconds(lambda: llm.generate(prompts, params), repeats) - _median_seconds(
-        lambda: llm.generate(prompts, first), repeats
-    )
-    # transformers: left-padded batch, its own KV cache, greedy, no early stop.
+
+    def ours_decode() -> float:
+        for p in prompts:
+            llm.add_request(p, params)
+        while llm.scheduler.waiting:  # prefill steps
+            llm.step()
+        start = time.perf_counter()
+        while llm.has_unfinished:
+            llm.step()
+        return time.perf_counter() - start
+
+    # transformers: left-padded batch, its own KV cache (DynamicCache), greedy, explicit loop.
     width = max(len(p) for p in prompts)
     pad = hf.config.eos_token_id if isinstance(hf.config.eos_token_id, int) else 0
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
 
-    def hf_generate(n):
-        with torch.inference_mode():
-            hf.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                        do_sample=False, pad_token_id=pad)
+    @torch.inference_mode()
+    def hf_decode() -> float:
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)
+        out = hf(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+        past, attn = out.past_key_values, mask
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        last = positions[:, -1:]
+        start = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            attn = torch.cat([attn, torch.ones((batch, 1), dtype=attn.dtype)], dim=1)
+            last = last + 1
+            out = hf(input_ids=token, attention_mask=attn, position_ids=last, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+        return time.perf_counter() - start
 
-    theirs = _median_seconds(lambda: hf_generate(new_tokens), repeats) - _median_seconds(lambda: hf_generate(1), repeats)
+    ours = statistics.median(ours_decode() for _ in range(repeats))
+    theirs = statistics.median(hf_decode() for _ in range(repeats))
     generated = batch * (new_tokens - 1)
     return {"batch": batch, "new_tokens": new_tokens, "oasiskv_tok_s": generated / ours,
             "transformers_tok_s": generated / theirs, "ratio": theirs / ours}
