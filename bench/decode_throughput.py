@@ -1,0 +1,491 @@
+"""Decode throughput: `dense`, `sparse-current` and `lookahead` side by side in one run, N
+concurrent requests per context length, the KV store in ANOTHER process reached over NIXL.
+
+    python bench/decode_throughput.py           # qwen2.5-coder-0.5b, 8 requests at 8K and at 16K, 128 tokens
+    python bench/decode_throughput.py --quick   # smollm2-135m, 8 requests at 2K and 4K, 32 tokens, budget 512
+
+Setup (not timed as decode):
+- The store is started as its own process (`python -m oasiskv.kvstore --transport nixl`) and
+  reached with `connect(address, transport="nixl")`.
+- Prompts are Python standard-library source. Prefill on this CPU takes minutes for 16K
+  tokens, so ONE dense forward runs over the longest context and serves every request: request
+  i of context L is the prompt ids[:L - 64 i] (a different prompt and a different next token
+  for each request). Attention is causal, so the KV of positions < L - 64 i from that pass is
+  exactly that prompt's prefill KV; its first token is the greedy token of row L - 64 i - 1,
+  and its first working set is that row's queries against the key summaries (what `Prefiller`
+  computes). For every mode run the prompts are written to the store under fresh request ids
+  (the decode engine frees a request's store memory when it finishes).
+- The device KV pool (`kv_pool_gb`) is the same for every mode of a context length, sized so
+  `dense` (which holds every request's whole KV) fits at most --dense-fit requests (4) at once;
+  the others wait for a free slot, as on a GPU whose HBM is full.
+
+Measured per mode (the decode engine's own counters plus timers around its parts):
+- generated tokens/s = decode-generated tokens (the prefill's first token excluded) / wall
+  time of `run_to_completion` for all N requests (admissions, transfers, steps);
+- KV bytes fetched per token and per request: admission (the whole KV for `dense`, the first
+  working set for the sparse modes) + prefetch/on-demand fetches during decode;
+- decode-node KV memory: peak of pool rows in use x row_bytes (and the pool size);
+- draft acceptance rate (n-gram drafter, k drafts), prediction recall (sparse modes);
+- time breakdown: admission, model forward (and inside it: block selection + fetch issue,
+  waits for transfers, the recall counter's own scoring), write-back, drafting, verification.
+Ratios: lookahead / dense and sparse-current / dense tokens/s, and dense / mode KV moved per
+request. Medians over --repeats (interleaved runs of the modes). Goal: lookahead >= 2x dense
+tokens/s and >= 6x less KV moved per request.
+Writes bench/results/decode_throughput_<model>.json and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# Shared 2-core machine: OpenMP threads that spin while other processes hold the cores made
+# every step 10-50x slower here (measured); passive waiting keeps timings meaningful.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+import oasiskv.decode_node.engine as engine_module  # noqa: E402
+from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
+from oasiskv.decode_node.engine import DecodeEngine  # noqa: E402
+from oasiskv.decode_node.speculative import NgramDrafter  # noqa: E402
+from oasiskv.kvstore import block_scores, connect  # noqa: E402
+from oasiskv.models.sampling import SamplingParams  # noqa: E402
+from oasiskv.prefill_node.prefill import PrefillResult, kv_layout_for  # noqa: E402
+
+from bench.common import real_text_token_ids, write_results  # noqa: E402
+from bench.lookahead_accuracy import BLOCK, DenseContext, load_llm  # noqa: E402
+
+MODES = ("dense", "sparse-current", "lookahead")
+GOAL_SPEEDUP = 2.0
+GOAL_LESS_KV = 6.0
+REQUEST_STEP = 64  # tokens between the prompt lengths of a context's requests
+
+
+# -- the store process ---------------------------------------------------------------------------
+class StoreProcess:
+    def __init__(self, capacity_gb: float):
+        cmd = [sys.executable, "-m", "oasiskv.kvstore", "--port", "0", "--capacity-gb", f"{capacity_gb:.3f}",
+               "--transport", "nixl"]
+        self.stderr = open(os.devnull, "w")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, text=True, cwd=str(ROOT.parent),
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        deadline = time.monotonic() + 120
+        self.address = None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"store exited with {self.proc.wait(10)}: {' '.join(cmd)}")
+            if line.startswith("READY "):
+                self.address = line.split()[1]
+                self.ready_line = line.strip()
+                break
+        if self.address is None:
+            self.close()
+            raise RuntimeError("store did not become ready")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc.stdout.close()
+        self.stderr.close()
+
+
+# -- requests from one dense pass ----------------------------------------------------------------
+class PromptSet:
+    """Prompts ids[:L] (prefixes of one long text) whose prefill comes from one dense pass."""
+
+    def __init__(self, ctx: DenseContext, layout, sinks: int, window: int):
+        self.ctx = ctx
+        self.layout = layout
+        self.sinks, self.window = sinks, window
+        model = ctx.model
+        self.num_layers = model.config.num_layers
+        self.summaries = [ctx.summaries(layer, len(ctx.ids)) for layer in range(self.num_layers)]
+        self.packed = ctx.packed_kv(len(ctx.ids) // BLOCK)  # complete blocks; prompts end on a block
+        self._first: dict[int, int] = {}
+
+    def first_token(self, length: int) -> int:
+        if length not in self._first:
+            with torch.inference_mode():
+                logits = self.ctx.model.compute_logits(self.ctx.hidden[length - 1][None])
+            self._first[length] = int(logits[0].argmax())
+        return self._first[length]
+
+    def selection(self, length: int, budget_blocks: int) -> torch.Tensor:
+        """[layers, kv_heads, k] first working set from the last prompt row's queries (as Prefiller)."""
+        num_blocks = length // BLOCK
+        start, stop = self.sinks, max(self.sinks, num_blocks - self.window)
+        top_k = min(budget_blocks, stop - start)
+        query = self.ctx.queries[length - 1]
+        out = torch.empty((self.num_layers, self.layout.num_kv_heads, top_k), dtype=torch.long)
+        for layer in range(self.num_layers):
+            scores = block_scores(query[layer][None], self.summaries[layer][:, start:stop])[0]
+            out[layer] = torch.topk(scores, top_k, dim=-1).indices + start
+        return out
+
+    def write(self, client, request_id: str, length: int, budget_blocks: int) -> PrefillResult:
+        """Put the prompt's KV in the store under request_id (what the prefill node does)."""
+        client.allocate(request_id, self.layout, length)
+        blocks = length // BLOCK
+        handles = [client.write_layer(request_id, layer, self.packed[layer, :blocks]) for layer in range(self.num_layers)]
+        for handle in handles:
+            handle.wait()
+        written = blocks * self.num_layers * self.layout.num_kv_heads * self.layout.unit_bytes
+        return PrefillResult(request_id, self.ctx.ids[:length], self.first_token(length), self.layout,
+                             self.selection(length, budget_blocks), written)
+
+
+# -- timers around the engine's parts -------------------------------------------------------------
+class Timers:
+    """Wraps engine / backend methods with wall-clock accumulators (bench-side only)."""
+
+    def __init__(self, engine: DecodeEngine):
+        self.t = {}
+        self.peak_rows = 0
+        self.request_steps = 0  # sum over steps of the requests in the step
+        self._selecting = False
+        self.engine = engine
+        backend = engine.backend
+        self._wrap(engine, "_admit", "admission")
+        self._wrap(engine, "_propose", "drafting")
+        self._wrap(engine, "_write_back", "write_back")
+        self._wrap(backend, "_track_recall", "recall_counter")
+        self._wrap(backend, "_attend_resident", "attention")
+        original_select = backend._select_and_fetch
+        original_await = backend._await_layer
+
+        def select(*a, **kw):
+            self._selecting = True
+            started = time.perf_counter()
+            try:
+                return original_select(*a, **kw)
+            finally:
+                self._add("select_and_fetch", time.perf_counter() - started)
+                self._selecting = False
+
+        def await_layer(*a, **kw):
+            started = time.perf_counter()
+            try:
+                return original_await(*a, **kw)
+            finally:
+                self._add("on_demand_wait" if self._selecting else "prefetch_wait", time.perf_counter() - started)
+
+        backend._select_and_fetch = select
+        backend._await_layer = await_layer
+        model = engine.model
+        timers = self
+
+        class TimedModel:
+            config = model.config
+
+            def __call__(self, *a, **kw):
+                started = time.perf_counter()
+                try:
+                    return model(*a, **kw)
+                finally:
+                    timers._add("forward", time.perf_counter() - started)
+
+            def compute_logits(self, hidden):
+                started = time.perf_counter()
+                try:
+                    return model.compute_logits(hidden)
+                finally:
+                    timers._add("lm_head", time.perf_counter() - started)
+
+        engine.model = TimedModel()
+        original_verify = engine_module.verify
+
+        def verify(*a, **kw):
+            started = time.perf_counter()
+            try:
+                return original_verify(*a, **kw)
+            finally:
+                self._add("verify", time.perf_counter() - started)
+
+        self._original_verify = original_verify
+        engine_module.verify = verify
+
+    def restore(self) -> None:
+        engine_module.verify = self._original_verify
+
+    def _wrap(self, obj, name: str, key: str) -> None:
+        original = getattr(obj, name)
+
+        def timed(*a, **kw):
+            started = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                self._add(key, time.perf_counter() - started)
+
+        setattr(obj, name, timed)
+
+    def _add(self, key: str, seconds: float) -> None:
+        self.t[key] = self.t.get(key, 0.0) + seconds
+
+    def run(self) -> dict:
+        """run_to_completion, tracking the peak of pool rows in use after every step."""
+        engine = self.engine
+        final = {}
+        started = time.perf_counter()
+        while engine.has_unfinished:
+            outputs = engine.step()
+            self.request_steps += sum(1 for out in outputs if out.new_token_ids)
+            for out in outputs:
+                if out.finished:
+                    final[out.request_id] = out
+            self.peak_rows = max(self.peak_rows, engine.pool.rows_used)
+        self.t["wall"] = time.perf_counter() - started
+        return final
+
+
+def breakdown(t: dict) -> dict:
+    """Disjoint parts of the wall time (seconds)."""
+    inside = ("attention", "select_and_fetch", "prefetch_wait", "recall_counter")
+    forward_rest = t.get("forward", 0.0) - sum(t.get(k, 0.0) for k in inside)
+    parts = {
+        "admission (incl. KV transfer)": t.get("admission", 0.0),
+        "forward: weights (MLP, projections)": forward_rest,
+        "forward: attention over resident KV": t.get("attention", 0.0),
+        "forward: block selection + fetch issue": t.get("select_and_fetch", 0.0) - t.get("on_demand_wait", 0.0),
+        "forward: waiting for on-demand fetches": t.get("on_demand_wait", 0.0),
+        "forward: waiting for prefetches": t.get("prefetch_wait", 0.0),
+        "forward: recall counter (instrumentation)": t.get("recall_counter", 0.0),
+        "lm head + verification": t.get("lm_head", 0.0) + t.get("verify", 0.0),
+        "write-back to store": t.get("write_back", 0.0),
+        "drafting (n-gram)": t.get("drafting", 0.0),
+    }
+    parts["other (scheduling, bookkeeping)"] = t["wall"] - sum(parts.values())
+    return parts
+
+
+# -- one mode run ---------------------------------------------------------------------------------
+def run_mode(llm, client, prompts: PromptSet, mode: str, lengths: list[int], args, pool_gb: float, tag: str) -> dict:
+    config = DecodeConfig(mode=mode, kv_pool_gb=pool_gb, budget_tokens=args.budget_tokens,
+                          num_draft_tokens=args.num_draft_tokens, sink_blocks=args.sink_blocks,
+                          window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)))
+    engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=NgramDrafter())
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    ids = [f"{tag}-{mode}-{i}" for i in range(len(lengths))]
+    write_started = time.perf_counter()
+    results = [prompts.write(client, rid, length, config.budget_blocks) for rid, length in zip(ids, lengths)]
+    write_s = time.perf_counter() - write_started
+    timers = Timers(engine)
+    try:
+        for result in results:
+            engine.add(result, params)
+        final = timers.run()
+    finally:
+        timers.restore()
+        release_engine(engine, client)
+    c = engine.counters.snapshot()
+    wall = timers.t["wall"]
+    moved = c["bytes_fetched"] + c["admission_bytes_fetched"]
+    layout = engine.layout
+    return {
+        "mode": mode, "requests": len(lengths), "wall_s": wall, "store_write_s": write_s,
+        "generated_tokens": c["generated_tokens"], "tokens_per_s": c["generated_tokens"] / wall,
+        "steps": c["steps"], "mean_batch": timers.request_steps / max(1, c["steps"]),
+        "kv_bytes_moved": moved, "kv_bytes_per_request": moved / len(lengths),
+        "kv_bytes_per_token": moved / c["generated_tokens"],
+        "admission_bytes": c["admission_bytes_fetched"], "decode_fetch_bytes": c["bytes_fetched"],
+        "write_back_bytes": c["blocks_written_back"] * layout.num_layers * layout.num_kv_heads * layout.unit_bytes,
+        "pool_rows": engine.pool.num_rows, "row_bytes": engine.pool.row_bytes,
+        "pool_bytes": engine.pool.num_rows * engine.pool.row_bytes,
+        "peak_rows_used": timers.peak_rows, "peak_kv_bytes": timers.peak_rows * engine.pool.row_bytes,
+        "acceptance_rate": c["acceptance_rate"], "prediction_recall": c["prediction_recall"],
+        "prefetch_hits": c["prefetch_hits"], "prefetch_misses": c["prefetch_misses"],
+        "breakdown_s": breakdown(timers.t), "timers_s": timers.t, "counters": c,
+        "outputs": {rid[len(tag) + len(mode) + 2 :]: final[rid].token_ids for rid in ids},
+    }
+
+
+def release_engine(engine: DecodeEngine, client) -> None:
+    """DecodeEngine has no close(): drop its pool's NIXL registration (which keeps the pool
+    tensor alive) and stop its I/O thread, so runs do not pile up memory and threads."""
+    client.unregister(engine.pool.tensor)
+    if engine.client is not client and hasattr(engine.client, "close"):
+        engine.client.close()
+
+
+def dense_rows(length: int, new_tokens: int, k: int) -> int:
+    return -(-(length + new_tokens + k + 1) // BLOCK) + 1  # DecodeEngine.row_plan for dense
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default qwen2.5-coder-0.5b (--quick: smollm2-135m)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--contexts", default=None, help="comma-separated (default 8192,16384; quick 2048,4096)")
+    parser.add_argument("--requests", type=int, default=8, help="concurrent requests per context")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 128, quick 32)")
+    parser.add_argument("--budget-tokens", type=int, default=None, help="default 2048 (quick 512)")
+    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--sink-blocks", type=int, default=1)
+    parser.add_argument("--window-blocks", type=int, default=4)
+    parser.add_argument("--dense-fit", type=int, default=4, help="requests the pool holds in dense mode")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every mode; medians reported")
+    parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "results"))
+    args = parser.parse_args(argv)
+    args.model = args.model or ("smollm2-135m" if args.quick else "qwen2.5-coder-0.5b")
+    args.new_tokens = args.new_tokens or (32 if args.quick else 128)
+    args.budget_tokens = args.budget_tokens or (512 if args.quick else 2048)
+    contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else ([2048, 4096] if args.quick else [8192, 16384])
+    if any(c % BLOCK for c in contexts):
+        parser.error("contexts must be multiples of 16")
+    modes = args.modes.split(",")
+    k = args.num_draft_tokens
+
+    started = time.perf_counter()
+    llm = load_llm(args.model, args.dtype)
+    model = llm.model
+    if max(contexts) + args.new_tokens + k + 1 > llm.max_model_len:
+        parser.error(f"context + new tokens exceed {args.model}'s {llm.max_model_len} tokens")
+    lengths = {c: [c - REQUEST_STEP * i for i in range(args.requests)] for c in contexts}
+    if min(min(v) for v in lengths.values()) < 4 * BLOCK * (args.window_blocks + 2):
+        parser.error("contexts too short for that many requests")
+    ids = real_text_token_ids(llm, max(contexts), offset=args.offset)
+    keep = {length - 1 for v in lengths.values() for length in v}
+    with tqdm(total=len(ids), desc="prefill: one dense pass", unit="tok") as bar:
+        ctx = DenseContext(model, ids, keep, progress=bar)
+    prefill_s = time.perf_counter() - started
+    layout = kv_layout_for(model, BLOCK)
+    prompts = PromptSet(ctx, layout, args.sink_blocks, args.window_blocks)
+    per_token = layout.num_layers * layout.num_kv_heads * layout.unit_bytes / BLOCK
+    store_gb = 1.15 * args.requests * (max(contexts) + args.new_tokens + 4 * BLOCK) * per_token / 2**30 + 0.05
+    store = StoreProcess(store_gb)
+    results = {
+        "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "machine": platform.processor() or platform.machine(),
+        "requests": args.requests, "new_tokens": args.new_tokens, "budget_tokens": args.budget_tokens,
+        "num_draft_tokens": k, "dense_fit": args.dense_fit, "repeats": args.repeats, "transport": "nixl",
+        "store": store.ready_line, "store_capacity_gb": store_gb, "prefill_one_pass_s": prefill_s,
+        "goal": {"speedup": GOAL_SPEEDUP, "less_kv": GOAL_LESS_KV}, "contexts": [],
+    }
+    try:
+        client = connect(store.address, transport="nixl")
+        client.register(prompts.packed)
+        total = len(contexts) * len(modes) * args.repeats
+        with tqdm(total=total, desc="mode runs") as bar:
+            for context in contexts:
+                row_bytes = layout.num_layers * layout.num_kv_heads * layout.unit_bytes
+                pool_rows = args.dense_fit * dense_rows(context, args.new_tokens, k)
+                pool_gb = (pool_rows + 0.5) * row_bytes / 2**30
+                runs = {m: [] for m in modes}
+                for r in range(args.repeats):
+                    for mode in modes:
+                        bar.set_postfix_str(f"{context} {mode}")
+                        runs[mode].append(run_mode(llm, client, prompts, mode, lengths[context], args, pool_gb, f"c{context}r{r}"))
+                        bar.update(1)
+                results["contexts"].append(summarize_context(context, lengths[context], pool_gb, runs))
+        client.unregister(prompts.packed)
+        client.close()
+    finally:
+        store.close()
+    results["total_s"] = time.perf_counter() - started
+    print_tables(results)
+    write_results(Path(args.out), f"decode_throughput_{args.model}", results, plot=_plot)
+    return 0
+
+
+def summarize_context(context: int, lengths: list[int], pool_gb: float, runs: dict) -> dict:
+    modes = {}
+    for mode, reps in runs.items():
+        best = sorted(reps, key=lambda r: r["tokens_per_s"])[len(reps) // 2]  # the median run
+        modes[mode] = {**best, "tokens_per_s_all": [r["tokens_per_s"] for r in reps],
+                       "tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps)}
+    dense = modes.get("dense")
+    if dense is not None:
+        for mode, row in modes.items():
+            row["speedup_vs_dense"] = row["tokens_per_s"] / dense["tokens_per_s"]
+            row["less_kv_vs_dense"] = dense["kv_bytes_per_request"] / row["kv_bytes_per_request"] if row["kv_bytes_per_request"] else None
+            row["less_memory_vs_dense"] = dense["peak_kv_bytes"] / row["peak_kv_bytes"]
+            # Greedy outputs of the same prompts: how many requests match dense token for token.
+            row["outputs_identical_to_dense"] = sum(row["outputs"][i] == dense["outputs"][i] for i in row["outputs"])
+    return {"context": context, "prompt_lengths": lengths, "kv_pool_gb": pool_gb, "modes": modes}
+
+
+def print_tables(results: dict) -> None:
+    mib = 2**20
+    print(f"\n{results['model']}, {results['requests']} concurrent requests x {results['new_tokens']} tokens, "
+          f"budget {results['budget_tokens']}, k={results['num_draft_tokens']}, store over {results['transport']} "
+          f"in another process; pool sized for {results['dense_fit']} dense requests; medians of {results['repeats']}")
+    for ctx in results["contexts"]:
+        print(f"\ncontext {ctx['context']} (prompts {ctx['prompt_lengths'][-1]}..{ctx['prompt_lengths'][0]}), "
+              f"pool {ctx['kv_pool_gb'] * 1024:.0f} MiB")
+        print(f"{'mode':<15}{'tok/s':>8}{'x dense':>8}{'KV MiB/req':>11}{'x less':>8}{'admit MiB/req':>14}"
+              f"{'decode KiB/tok':>15}{'KiB/tok':>9}{'peak KV MiB':>12}"
+              f"{'accept':>8}{'recall':>8}{'steps':>7}{'batch':>7}{'same out':>9}")
+        for mode, r in ctx["modes"].items():
+            print(f"{mode:<15}{r['tokens_per_s']:>8.2f}{r.get('speedup_vs_dense', float('nan')):>8.2f}"
+                  f"{r['kv_bytes_per_request'] / mib:>11.1f}{_num(r.get('less_kv_vs_dense')):>8}"
+                  f"{r['admission_bytes'] / r['requests'] / mib:>14.1f}{r['decode_fetch_bytes'] / r['generated_tokens'] / 1024:>15.0f}"
+                  f"{r['kv_bytes_per_token'] / 1024:>9.0f}{r['peak_kv_bytes'] / mib:>12.0f}{_pct(r['acceptance_rate']):>8}"
+                  f"{_pct(r['prediction_recall']):>8}{r['steps']:>7}{r['mean_batch']:>7.1f}"
+                  f"{str(r.get('outputs_identical_to_dense', '-')) + '/' + str(r['requests']):>9}")
+        print("  time breakdown (s):")
+        names = list(next(iter(ctx["modes"].values()))["breakdown_s"])
+        print(f"  {'':<44}" + "".join(f"{m:>16}" for m in ctx["modes"]))
+        for name in names + ["wall"]:
+            cells = "".join(f"{(r['wall_s'] if name == 'wall' else r['breakdown_s'][name]):>16.2f}" for r in ctx["modes"].values())
+            print(f"  {name:<44}{cells}")
+        look, dense = ctx["modes"].get("lookahead"), ctx["modes"].get("dense")
+        if look and dense:
+            ok = look["speedup_vs_dense"] >= GOAL_SPEEDUP and (look["less_kv_vs_dense"] or 0) >= GOAL_LESS_KV
+            print(f"  goal (lookahead >= {GOAL_SPEEDUP}x dense tok/s and >= {GOAL_LESS_KV}x less KV per request): "
+                  f"{look['speedup_vs_dense']:.2f}x, {look['less_kv_vs_dense']:.1f}x -> {'met' if ok else 'NOT met'}")
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _plot(results: dict, axes) -> None:
+    ax_tps, ax_kv = axes
+    contexts = results["contexts"]
+    modes = list(contexts[0]["modes"])
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(contexts))]
+        rows = [c["modes"][mode] for c in contexts]
+        ax_tps.bar(xs, [r["tokens_per_s"] for r in rows], width, label=mode, color=f"C{i}")
+        admission = [r["admission_bytes"] / r["requests"] / 2**20 for r in rows]
+        decode = [r["decode_fetch_bytes"] / r["requests"] / 2**20 for r in rows]
+        ax_kv.bar(xs, admission, width, color=f"C{i}", label=f"{mode}: admission")
+        ax_kv.bar(xs, decode, width, bottom=admission, color=f"C{i}", alpha=0.45, hatch="//",
+                  label=f"{mode}: decode fetches")
+    for ax in axes:
+        ax.set_xticks(range(len(contexts)), [str(c["context"]) for c in contexts])
+        ax.set_xlabel("context tokens")
+        ax.legend(fontsize=7)
+    ax_tps.set_ylabel("generated tokens/s (all requests)")
+    ax_tps.set_title(f"{results['requests']} concurrent requests x {results['new_tokens']} tokens")
+    ax_kv.set_ylabel("KV moved per request (MiB)")
+    ax_kv.set_title("store -> decode node")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,470 @@
+"""Sparse-attention quality: the decode node's sparse modes against `dense`, same prompt, same
+weights, in one run: greedy token agreement and perplexity of the file's true continuation,
+for budgets 512 / 1,024 / 2,048 / 4,096 tokens and modes `sparse-current` and `lookahead`.
+
+    python bench/sparse_quality.py            # qwen2.5-coder-0.5b, 8K context, 256 tokens
+    python bench/sparse_quality.py --quick    # smollm2-135m, 2K context, 64 tokens
+
+The prompt is Python standard-library source (bench.common); it is prefilled ONCE with the real
+`Prefiller` into an in-process store, read back, and written under a fresh request id for every
+run (the decode engine frees a request's store memory when it finishes). Every run goes through
+the real `DecodeEngine` (working set, selection, prefetch, replacement cap, write-back), twice:
+
+1. Free-running greedy decoding of --new-tokens tokens with the n-gram drafter (k drafts per
+   step). Reported: `prefix_agreement` = tokens generated before the first one that differs
+   from dense, / new tokens (strict: one flip ends it), and `positionwise_agreement` = share of
+   positions with the same token as dense (after a flip the texts may realign or not).
+
+2. Teacher-forced through the decode engine: perplexity and top-1 agreement. A bench-only
+   drafter proposes the file's true next k tokens, and the engine's `verify` is replaced (in
+   this process only, for this pass only) by one that records the target's log-probabilities
+   and accepts the file's tokens, so the history follows the file exactly while every step runs
+   the real sparse machinery over 1 + k rows (for `lookahead` this is the perfect-drafter case:
+   the draft rows' queries are those of the true continuation). The first output token is set
+   to the file's next token. Reported over the same new_tokens - 1 scored positions for every
+   run: `perplexity` (exp of the mean NLL of the true tokens) and its ratio to dense, and
+   `top1_agreement` = share of positions where the run's argmax equals dense's argmax on the
+   same prefix (the robust form of "greedy token agreement": a flip does not derail the rest).
+
+3. Diagnostic, outside the engine: "ideal selection". The same teacher-forced continuation runs
+   as one forward over the prompt's KV (read back from the store) with a backend where EVERY
+   query row attends to the sinks + its window + its own top-K blocks, chosen either by the
+   exact attention mass of that row (`exact`: the best any top-K block selection can do) or by
+   the min/max bound of that row's query (`bound`: sparse-current with a perfect, unlimited
+   fetch). `dense` (keep every block) through the same backend checks it against the engine's
+   dense perplexity. Engine vs `bound` = what the prediction and the per-step replacement cap
+   cost; `bound` vs `exact` = what the bound costs; `exact` vs dense = what the budget costs.
+
+Goal at a 2,048-token budget: >= 99% agreement and perplexity within 1% of dense.
+Writes bench/results/sparse_quality_<model>.json and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import math
+import os
+import platform
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+# Shared 2-core machine: OpenMP threads that spin while other processes hold the cores made
+# every step 10-50x slower here (measured); passive waiting keeps timings meaningful.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+import oasiskv.decode_node.engine as engine_module  # noqa: E402
+from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
+from oasiskv.decode_node.engine import DecodeEngine  # noqa: E402
+from oasiskv.decode_node.speculative import Draft, NgramDrafter  # noqa: E402
+from oasiskv.kvstore import KVStore, block_scores, connect, summarize_layer  # noqa: E402
+from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
+from oasiskv.models.sampling import SamplingParams  # noqa: E402
+from oasiskv.prefill_node.prefill import Prefiller  # noqa: E402
+
+from bench.common import real_text_token_ids, write_results  # noqa: E402
+from bench.lookahead_accuracy import load_llm  # noqa: E402
+
+GOAL_AGREEMENT = 0.99
+GOAL_PPL_RATIO = 1.01
+
+
+class TeacherForcing:
+    """Drafter whose drafts are the file's continuation, plus a `verify` that accepts the file's
+    tokens and records the target's log-probabilities for them (row i of a step predicts
+    token len(history) + i)."""
+
+    def __init__(self, full_ids: list[int]):
+        self.full = full_ids
+        self.starts: deque[int] = deque()
+        self.logprob: dict[int, float] = {}
+        self.argmax: dict[int, int] = {}
+
+    def propose(self, request_ids, histories, k, params=None):
+        drafts = []
+        for history in histories:
+            n = len(history)
+            if history[-16:] != self.full[max(0, n - 16) : n]:
+                raise RuntimeError("teacher forcing lost track of the file")
+            self.starts.append(n)
+            drafts.append(Draft(self.full[n : n + k]))
+        return drafts
+
+    def release(self, request_id: str) -> None:
+        pass
+
+    def verify(self, target_logits, draft, params, generator=None) -> list[int]:
+        start = self.starts.popleft()
+        logprobs = torch.log_softmax(target_logits.float(), dim=-1)
+        rows = target_logits.shape[0]
+        for i in range(rows):
+            token = self.full[start + i]
+            self.logprob[start + i] = float(logprobs[i, token])
+            self.argmax[start + i] = int(logprobs[i].argmax())
+        return self.full[start : start + rows]
+
+    @contextlib.contextmanager
+    def patched(self):
+        original = engine_module.verify
+        engine_module.verify = self.verify
+        try:
+            yield self
+        finally:
+            engine_module.verify = original
+
+
+@dataclasses.dataclass
+class StoredPrompt:
+    """The prompt's KV, read back from the store once, and the prefill's result."""
+
+    packed: torch.Tensor  # [layers, blocks, kv_heads, 2, block_size, d]
+    result: object  # PrefillResult
+
+    def copy_to(self, client, request_id: str, first_token: int | None = None):
+        layout = self.result.layout
+        client.allocate(request_id, layout, len(self.result.prompt_ids))
+        client.write_request(request_id, self.packed).wait()
+        changes = {"request_id": request_id}
+        if first_token is not None:
+            changes["first_token"] = first_token
+        return dataclasses.replace(self.result, **changes)
+
+
+class IdealSelection:
+    """Attention backend for a teacher-forced forward of new rows after a cached prompt
+    (slot == position): each row, per KV head, attends to the sinks, its window and its own
+    top-K blocks by `rule` ("exact" attention mass, "bound" of its query, or "dense": all)."""
+
+    def __init__(self, cache: PagedKVCache, scale: float, rule: str, budget_blocks: int, sinks: int, window: int):
+        self.cache, self.scale, self.rule = cache, scale, rule
+        self.budget_blocks, self.sinks, self.window = budget_blocks, sinks, window
+        self.positions: torch.Tensor | None = None
+
+    def attend(self, layer, q, k, v):
+        bs = self.cache.block_size
+        positions = self.positions
+        self.cache.write(layer, positions, k, v)
+        end = int(positions[-1]) + 1
+        keys = self.cache.k[layer][:, :end].float()  # [kv_heads, L, d]
+        values = self.cache.v[layer][:, :end].float()
+        rows, heads, d = q.shape
+        kv_heads = keys.shape[0]
+        group = heads // kv_heads
+        qg = q.float().view(rows, kv_heads, group, d).transpose(0, 1)  # [kv_heads, rows, group, d]
+        logits = torch.einsum("hrgd,hld->hrgl", qg, keys) * self.scale
+        causal = torch.arange(end)[None, :] <= positions[:, None]  # [rows, L]
+        logits = logits.masked_fill(~causal[None, :, None, :], float("-inf"))
+        if self.rule != "dense":
+            num_blocks = -(-end // bs)
+            block_ids = torch.arange(num_blocks)
+            window_start = (positions // bs - self.window + 1).clamp(min=self.sinks)  # [rows]
+            candidate = (block_ids[None] >= self.sinks) & (block_ids[None] < window_start[:, None])  # [rows, blocks]
+            if self.rule == "exact":
+                mass = torch.softmax(logits, dim=-1).sum(dim=2)  # [kv_heads, rows, L]
+                mass = torch.nn.functional.pad(mass, (0, num_blocks * bs - end))
+                score = mass.view(kv_heads, rows, num_blocks, bs).sum(-1)
+            else:
+                complete = end // bs
+                summaries = summarize_layer(keys[:, : complete * bs].transpose(0, 1), bs)
+                score = block_scores(q.float(), summaries).transpose(0, 1)  # [kv_heads, rows, complete]
+                score = torch.nn.functional.pad(score, (0, num_blocks - complete), value=float("-inf"))
+            score = score.masked_fill(~candidate[None], float("-inf"))
+            top = torch.topk(score, min(self.budget_blocks, num_blocks), dim=-1)
+            keep = torch.zeros_like(score, dtype=torch.bool)
+            keep.scatter_(-1, top.indices, torch.isfinite(top.values))
+            keep |= ~candidate[None]  # sinks and the window (blocks past the row: causality hides them)
+            keep = keep.repeat_interleave(bs, dim=-1)[..., :end]  # [kv_heads, rows, L]
+            logits = logits.masked_fill(~keep[:, :, None, :], float("-inf"))
+        out = torch.matmul(torch.softmax(logits, dim=-1), values[:, None])  # [kv_heads, rows, group, d]
+        return out.transpose(0, 1).reshape(rows, heads, d).to(q.dtype)
+
+
+@torch.inference_mode()
+def ideal_selection(llm, stored: StoredPrompt, full: list[int], context: int, new_tokens: int, rule: str,
+                    budget_blocks: int, sinks: int, window: int) -> tuple[dict, dict]:
+    """Teacher-forced log-probs and argmaxes of tokens context+1 .. context+new_tokens."""
+    model = llm.model
+    c = model.config
+    layout = stored.result.layout
+    bs = layout.block_size
+    total = context + new_tokens
+    spec = KVCacheSpec(c.num_layers, c.num_kv_heads, c.head_dim, bs, layout.dtype)
+    cache = PagedKVCache(spec, -(-total // bs))
+    for layer in range(c.num_layers):
+        kv = stored.packed[layer]  # [blocks, kv_heads, 2, bs, d]
+        cache.k[layer][:, :context] = kv[:, :, 0].transpose(0, 1).reshape(c.num_kv_heads, -1, c.head_dim)[:, :context]
+        cache.v[layer][:, :context] = kv[:, :, 1].transpose(0, 1).reshape(c.num_kv_heads, -1, c.head_dim)[:, :context]
+    backend = IdealSelection(cache, c.softmax_scale, rule, budget_blocks, sinks, window)
+    backend.positions = torch.arange(context, total)
+    hidden = model(torch.tensor(full[context:total]), backend.positions, backend)
+    logprobs = torch.log_softmax(model.compute_logits(hidden), dim=-1)
+    targets = torch.tensor(full[context + 1 : total + 1])
+    picked = logprobs.gather(1, targets[:, None])[:, 0]
+    index = range(context + 1, total + 1)
+    return dict(zip(index, picked.tolist())), dict(zip(index, logprobs.argmax(-1).tolist()))
+
+
+def prefill_once(llm, client, prompt: list[int], budget_blocks: int, sinks: int, window: int) -> StoredPrompt:
+    result = Prefiller(llm.model, client).prefill("prompt", prompt, SamplingParams(max_tokens=1), budget_blocks=budget_blocks,
+                                                  excluded_head_blocks=sinks, excluded_tail_blocks=window)
+    layout = result.layout
+    blocks = layout.num_blocks(len(prompt))
+    packed = torch.empty((layout.num_layers, blocks, layout.num_kv_heads, 2, layout.block_size, layout.head_dim),
+                         dtype=layout.dtype)
+    layers = np.repeat(np.arange(layout.num_layers), blocks * layout.num_kv_heads)
+    block_ids = np.tile(np.repeat(np.arange(blocks), layout.num_kv_heads), layout.num_layers)
+    heads = np.tile(np.arange(layout.num_kv_heads), blocks * layout.num_layers)
+    client.read_blocks("prompt", layers, heads, block_ids, packed).wait()
+    client.free("prompt")
+    return StoredPrompt(packed, result)
+
+
+def pool_gb(engine_layout, config: DecodeConfig, prompt_tokens: int, max_tokens: int) -> float:
+    bs = config.block_size
+    if config.mode == "dense":
+        rows = -(-(prompt_tokens + max_tokens + config.num_draft_tokens + 1) // bs) + 1
+    else:
+        rows = config.sink_blocks + config.window_blocks + 1 + config.budget_blocks
+    row_bytes = engine_layout.num_layers * engine_layout.num_kv_heads * engine_layout.unit_bytes
+    return (rows + 2) * row_bytes / 2**30
+
+
+def run_engine(llm, client, stored: StoredPrompt, config: DecodeConfig, params: SamplingParams, request_id: str,
+               drafter=None, first_token: int | None = None) -> tuple[list[int], dict, float]:
+    engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=drafter)
+    result = stored.copy_to(client, request_id, first_token)
+    started = time.perf_counter()
+    engine.add(result, params)
+    try:
+        outputs = engine.run_to_completion()
+    finally:
+        if engine.client is not client and hasattr(engine.client, "close"):
+            engine.client.close()  # the engine's I/O thread (DecodeEngine has no close())
+    seconds = time.perf_counter() - started
+    return outputs[request_id].token_ids, engine.counters.snapshot(), seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default qwen2.5-coder-0.5b (--quick: smollm2-135m)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--context", type=int, default=None, help="prompt tokens (default 8192, quick 2048)")
+    parser.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 256, quick 64)")
+    parser.add_argument("--budgets", default="512,1024,2048,4096")
+    parser.add_argument("--modes", default="sparse-current,lookahead")
+    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--sink-blocks", type=int, default=1)
+    parser.add_argument("--window-blocks", type=int, default=4)
+    parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
+    parser.add_argument("--skip-free-running", action="store_true", help="teacher-forced pass only")
+    parser.add_argument("--skip-ideal", action="store_true", help="skip the ideal-selection diagnostic")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "results"))
+    args = parser.parse_args(argv)
+    args.model = args.model or ("smollm2-135m" if args.quick else "qwen2.5-coder-0.5b")
+    args.context = args.context or (2048 if args.quick else 8192)
+    args.new_tokens = args.new_tokens or (64 if args.quick else 256)
+    budgets = [int(b) for b in args.budgets.split(",")]
+    modes = args.modes.split(",")
+    k = args.num_draft_tokens
+
+    started = time.perf_counter()
+    llm = load_llm(args.model, args.dtype)
+    if args.context + args.new_tokens + k + 1 > llm.max_model_len:
+        parser.error(f"context + new tokens exceed {args.model}'s {llm.max_model_len} tokens")
+    full = real_text_token_ids(llm, args.context + args.new_tokens + k + 1, offset=args.offset)
+    prompt = full[: args.context]
+    store = KVStore(int(_store_gb(llm, args.context + args.new_tokens + 64) * 2**30))
+    client = connect(store, transport="inproc")
+    t0 = time.perf_counter()
+    stored = prefill_once(llm, client, prompt, max(budgets) // 16, args.sink_blocks, args.window_blocks)
+    prefill_s = time.perf_counter() - t0
+    layout = stored.result.layout
+
+    runs = [("dense", None)] + [(m, b) for m in modes for b in budgets]
+    passes = 1 if args.skip_free_running else 2
+    greedy = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    rows = []
+    with tqdm(total=len(runs) * passes, desc="runs") as bar:
+        for mode, budget in runs:
+            config = DecodeConfig(mode=mode, budget_tokens=budget or 2048, num_draft_tokens=k, kv_pool_gb=1.0,
+                                  sink_blocks=args.sink_blocks, window_blocks=args.window_blocks)
+            config = config.model_copy(update={"kv_pool_gb": pool_gb(layout, config, args.context, args.new_tokens)})
+            tag = f"{mode}-{budget}"
+            row = {"mode": mode, "budget_tokens": budget}
+            bar.set_postfix_str(f"{tag} teacher-forced")
+            forcing = TeacherForcing(full)
+            with forcing.patched():
+                _, counters, seconds = run_engine(llm, client, stored, config, greedy, f"tf-{tag}", drafter=forcing,
+                                                  first_token=full[args.context])
+            row["teacher_forced"] = {"logprob": forcing.logprob, "argmax": forcing.argmax, "counters": counters,
+                                     "seconds": seconds}
+            bar.update(1)
+            if not args.skip_free_running:
+                bar.set_postfix_str(f"{tag} free-running")
+                tokens, counters, seconds = run_engine(llm, client, stored, config, greedy, f"fr-{tag}",
+                                                       drafter=NgramDrafter())
+                row["free_running"] = {"tokens": tokens, "counters": counters, "seconds": seconds}
+                bar.update(1)
+            rows.append(row)
+
+    ideal = []
+    if not args.skip_ideal:
+        rules = [("dense", None)] + [(rule, b) for rule in ("bound", "exact") for b in budgets]
+        for rule, budget in tqdm(rules, desc="ideal selection (diagnostic)"):
+            logprob, argmax = ideal_selection(llm, stored, full, args.context, args.new_tokens, rule, (budget or 16) // 16,
+                                              args.sink_blocks, args.window_blocks)
+            ideal.append({"rule": rule, "budget_tokens": budget, "logprob": logprob, "argmax": argmax})
+
+    results = {
+        "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "machine": platform.processor() or platform.machine(), "context": args.context,
+        "new_tokens": args.new_tokens, "num_draft_tokens": k, "sink_blocks": args.sink_blocks,
+        "window_blocks": args.window_blocks, "prefill_s": prefill_s,
+        "goal": {"agreement": GOAL_AGREEMENT, "perplexity_ratio": GOAL_PPL_RATIO, "budget_tokens": 2048},
+        "runs": summarize(rows, args.context),
+    }
+    results["ideal_selection"] = summarize_ideal(ideal, rows[0], args.context)
+    results["total_s"] = time.perf_counter() - started
+    print_table(results)
+    write_results(Path(args.out), f"sparse_quality_{args.model}", results, plot=_plot)
+    return 0
+
+
+def _store_gb(llm, tokens: int) -> float:
+    c = llm.model.config
+    itemsize = next(llm.model.parameters()).element_size()
+    per_token = c.num_layers * c.num_kv_heads * 2 * c.head_dim * itemsize
+    return 2 * tokens * per_token / 2**30 + 0.05
+
+
+def summarize(rows: list[dict], context: int) -> list[dict]:
+    dense = rows[0]
+    scored = sorted(dense["teacher_forced"]["logprob"])
+    scored = [i for i in scored if i > context]  # position `context` is the prefill's
+    out = []
+    for row in rows:
+        tf = row["teacher_forced"]
+        if sorted(i for i in tf["logprob"] if i > context) != scored:
+            raise RuntimeError(f"{row['mode']} {row['budget_tokens']}: scored positions differ from dense")
+        nll = -sum(tf["logprob"][i] for i in scored) / len(scored)
+        top1 = sum(tf["argmax"][i] == dense["teacher_forced"]["argmax"][i] for i in scored) / len(scored)
+        summary = {
+            "mode": row["mode"], "budget_tokens": row["budget_tokens"],
+            "perplexity": math.exp(nll), "scored_tokens": len(scored), "top1_agreement": top1,
+            "teacher_forced_seconds": tf["seconds"], "teacher_forced_counters": tf["counters"],
+        }
+        if "free_running" in row:
+            fr, ref = row["free_running"]["tokens"], dense["free_running"]["tokens"]
+            prefix = next((i for i, (a, b) in enumerate(zip(fr, ref)) if a != b), min(len(fr), len(ref)))
+            summary.update({
+                "prefix_agreement": prefix / len(ref),
+                "first_divergence": None if prefix == len(ref) else prefix,
+                "positionwise_agreement": sum(a == b for a, b in zip(fr, ref)) / len(ref),
+                "free_running_seconds": row["free_running"]["seconds"],
+                "free_running_tokens_per_s": (len(fr) - 1) / row["free_running"]["seconds"],
+                "free_running_counters": row["free_running"]["counters"],
+                "tokens": fr,
+            })
+        out.append(summary)
+    ppl = out[0]["perplexity"]
+    for s in out:
+        s["perplexity_ratio"] = s["perplexity"] / ppl
+    return out
+
+
+def summarize_ideal(ideal: list[dict], dense_row: dict, context: int) -> list[dict]:
+    tf = dense_row["teacher_forced"]
+    scored = sorted(i for i in tf["logprob"] if i > context)
+    dense_ppl = math.exp(-sum(tf["logprob"][i] for i in scored) / len(scored))
+    out = []
+    for row in ideal:
+        if sorted(row["logprob"]) != scored:
+            raise RuntimeError("ideal-selection positions differ from the engine's")
+        ppl = math.exp(-sum(row["logprob"][i] for i in scored) / len(scored))
+        out.append({"rule": row["rule"], "budget_tokens": row["budget_tokens"], "perplexity": ppl,
+                    "perplexity_ratio": ppl / dense_ppl,
+                    "top1_agreement": sum(row["argmax"][i] == tf["argmax"][i] for i in scored) / len(scored)})
+    return out
+
+
+def print_table(results: dict) -> None:
+    print(f"\n{results['model']}, context {results['context']} tokens, {results['new_tokens']} new tokens, "
+          f"k={results['num_draft_tokens']}; scored tokens (teacher-forced): {results['runs'][0]['scored_tokens']}")
+    head = (f"{'mode':<15}{'budget':>7}{'top1 agree':>11}{'ppl':>9}{'ppl/dense':>10}{'prefix agr':>11}"
+            f"{'pos agr':>9}{'recall':>8}{'MB fetched':>11}{'accept':>8}")
+    print(head)
+    for r in results["runs"]:
+        fr = r.get("free_running_counters") or r["teacher_forced_counters"]
+        rec = r["teacher_forced_counters"]["prediction_recall"]
+        fetched = (fr["bytes_fetched"] + fr["admission_bytes_fetched"]) / 2**20
+        acc = fr["acceptance_rate"]
+        print(f"{r['mode']:<15}{str(r['budget_tokens'] or '-'):>7}{r['top1_agreement']:>11.2%}{r['perplexity']:>9.4f}"
+              f"{r['perplexity_ratio']:>10.4f}{_pct(r.get('prefix_agreement')):>11}{_pct(r.get('positionwise_agreement')):>9}"
+              f"{_pct(rec):>8}{fetched:>11.1f}{_pct(acc):>8}")
+    goal = results["goal"]
+    for r in results["runs"]:
+        if r["budget_tokens"] == goal["budget_tokens"]:
+            ok = r["top1_agreement"] >= goal["agreement"] and r["perplexity_ratio"] <= goal["perplexity_ratio"]
+            print(f"goal at {goal['budget_tokens']} ({r['mode']}): top-1 agreement {r['top1_agreement']:.2%} >= 99%, "
+                  f"perplexity {r['perplexity_ratio'] - 1:+.2%} vs dense within 1%: {'met' if ok else 'NOT met'}")
+    print("(recall = the engine's prediction_recall counter, teacher-forced pass; MB fetched and acceptance: "
+          "free-running pass)")
+    ideal = results.get("ideal_selection") or []
+    if ideal:
+        print("\nideal selection (diagnostic, no engine): every row attends to sinks + window + its own top-K blocks")
+        print(f"{'rule':<8}{'budget':>7}{'top1 agree':>11}{'ppl':>9}{'ppl/dense':>10}   engine lookahead / sparse-current ppl/dense")
+        engine = {(r["mode"], r["budget_tokens"]): r["perplexity_ratio"] for r in results["runs"]}
+        for r in ideal:
+            b = r["budget_tokens"]
+            extra = "" if b is None else f"   {engine.get(('lookahead', b), float('nan')):.4f} / {engine.get(('sparse-current', b), float('nan')):.4f}"
+            print(f"{r['rule']:<8}{str(b or '-'):>7}{r['top1_agreement']:>11.2%}{r['perplexity']:>9.4f}{r['perplexity_ratio']:>10.4f}{extra}")
+
+
+def _pct(value) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _plot(results: dict, axes) -> None:
+    ax_agree, ax_ppl = axes
+    runs = results["runs"]
+    modes = sorted({r["mode"] for r in runs if r["mode"] != "dense"})
+    for mode in modes:
+        mine = [r for r in runs if r["mode"] == mode]
+        xs = [r["budget_tokens"] for r in mine]
+        ax_agree.plot(xs, [r["top1_agreement"] for r in mine], marker="o", label=f"{mode} top-1 (teacher-forced)")
+        if "prefix_agreement" in mine[0]:
+            ax_agree.plot(xs, [r["prefix_agreement"] for r in mine], marker="x", linestyle="--",
+                          label=f"{mode} prefix (free-running)")
+        ax_ppl.plot(xs, [r["perplexity_ratio"] for r in mine], marker="o", label=mode)
+    for rule in ("bound", "exact"):
+        mine = [r for r in results.get("ideal_selection") or [] if r["rule"] == rule]
+        if mine:
+            ax_ppl.plot([r["budget_tokens"] for r in mine], [r["perplexity_ratio"] for r in mine], marker=".",
+                        linestyle=":", label=f"ideal top-K by {rule} (diagnostic)")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget tokens")
+    ax_agree.axhline(GOAL_AGREEMENT, color="k", linestyle=":", linewidth=1, label="goal 99%")
+    ax_agree.set_ylabel("agreement with dense")
+    ax_agree.set_ylim(0, 1.02)
+    ax_agree.legend(fontsize=7)
+    ax_ppl.axhline(1.0, color="gray", linewidth=1)
+    ax_ppl.axhline(GOAL_PPL_RATIO, color="k", linestyle=":", linewidth=1, label="goal +1%")
+    ax_ppl.set_ylabel("perplexity / dense")
+    ax_ppl.legend(fontsize=7)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
