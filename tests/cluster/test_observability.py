@@ -14,22 +14,21 @@ import time
 
 import httpx
 import pytest
-import yaml
 
 from oasiskv.cluster.config import ServeConfig
 from oasiskv.cluster.server import BackgroundServer
 from oasiskv.decode_node.config import DecodeConfig
 
 from ..conftest import DEFAULT_MODEL, stdlib_source
-from ..deploy.conftest import require_tool
-from ..deploy.test_grafana import _free_port, pq
+from ..deploy.conftest import require_tool, start_prometheus
+from ..deploy.test_grafana import pq
 
 NUM_PROMPTS = 6
 
 
 @pytest.fixture(scope="module")
 def loaded_server(tmp_path_factory):
-    prometheus_binary = require_tool("prometheus")
+    require_tool("prometheus")
     config = ServeConfig(model=DEFAULT_MODEL, port=0, store_capacity_gb=0.25, threads_per_worker=1,
                          decode=DecodeConfig(kv_pool_gb=0.25, budget_tokens=256))
     with BackgroundServer(config) as server:
@@ -44,17 +43,7 @@ def loaded_server(tmp_path_factory):
         )
         assert result.returncode == 0, result.stdout + result.stderr
         record = json.loads((work / "run.json").read_text())
-        target = server.url.removeprefix("http://")
-        scrape = {"global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
-                  "scrape_configs": [{"job_name": "oasiskv-api", "static_configs": [{"targets": [target]}]}]}
-        (work / "prometheus.yml").write_text(yaml.safe_dump(scrape))
-        port = _free_port()
-        process = subprocess.Popen(
-            [prometheus_binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
-        base = f"http://127.0.0.1:{port}"
+        process, base = start_prometheus(server.url.removeprefix("http://"), work)
         try:
             # More load while Prometheus scrapes, so rate() windows see traffic: long prompts
             # (sparse decode, prefetches) and one client that hangs up (a non-success status).

@@ -41,3 +41,27 @@ def run(argv: list[str], timeout: float = 120, check: bool = True, **kwargs) -> 
             f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
         )
     return result
+
+
+def start_prometheus(target: str, work: Path) -> tuple[subprocess.Popen, str]:
+    """A real Prometheus on loopback scraping `target` (host:port) every second; returns the
+    process and its base URL. The caller terminates it."""
+    import socket
+
+    import yaml
+
+    binary = require_tool("prometheus")
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
+        "scrape_configs": [{"job_name": "oasiskv-api", "static_configs": [{"targets": [target]}]}],
+    }
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    return process, f"http://127.0.0.1:{port}"

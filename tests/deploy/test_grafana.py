@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ from itertools import combinations
 import pytest
 import yaml
 
-from .conftest import REPO, require_tool
+from .conftest import REPO, require_tool, start_prometheus
 from .contract_metrics import HISTOGRAMS, ContractExporter, exposed_names
 
 GRAFANA = REPO / "deploy" / "grafana"
@@ -163,34 +162,16 @@ def test_provisioning_files_are_valid():
 
 # --- every query against a real Prometheus ------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _query(base: str, expr: str) -> dict:
     return pq.run_query(base, expr, timeout_s=5)
 
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
-    binary = require_tool("prometheus")
+    require_tool("prometheus")
     exporter = ContractExporter()
     target = exporter.start()
-    work = tmp_path_factory.mktemp("prometheus")
-    config = {
-        "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "oasiskv-api", "static_configs": [{"targets": [target]}]}],
-    }
-    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = _free_port()
-    process = subprocess.Popen(
-        [binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    base = f"http://127.0.0.1:{port}"
+    process, base = start_prometheus(target, tmp_path_factory.mktemp("prometheus"))
     try:
         deadline = time.monotonic() + 30
         while True:  # ready, and enough scrapes for a 5 s rate window
