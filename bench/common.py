@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import sysconfig
 import time
 from pathlib import Path
@@ -14,6 +15,16 @@ STDLIB_SOURCES = ("_pydecimal.py", "typing.py", "argparse.py", "inspect.py", "su
 def stdlib_text() -> str:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     return "\n".join((stdlib / name).read_text() for name in STDLIB_SOURCES)
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of `repeats` calls of fn()."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def real_text_token_ids(llm, num_tokens: int, offset: int = 0) -> list[int]:

@@ -27,24 +27,15 @@ sys.path.insert(0, str(ROOT.parent))
 from oasiskv.models.engine import LLM  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 
-from bench.common import real_text_token_ids, write_results  # noqa: E402
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from bench.common import median_seconds, real_text_token_ids, write_results  # noqa: E402
 
 
 def bench_prefill(llm: LLM, hf, ids: list[int], repeats: int) -> dict:
     one = SamplingParams(max_tokens=1, ignore_eos=True)
-    ours = _median_seconds(lambda: llm.generate([ids], one), repeats)
+    ours = median_seconds(lambda: llm.generate([ids], one), repeats)
     tensor = torch.tensor([ids])
     with torch.inference_mode():
-        theirs = _median_seconds(lambda: hf(tensor, logits_to_keep=1), repeats)
+        theirs = median_seconds(lambda: hf(tensor, logits_to_keep=1), repeats)
     n = len(ids)
     return {"prompt_tokens": n, "oasiskv_tok_s": n / ours, "transformers_tok_s": n / theirs, "ratio": theirs / ours}
 

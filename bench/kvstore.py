@@ -48,17 +48,6 @@ BATCH_BYTES = 64 * MIB
 MAX_BATCH = 1000
 
 
-def median_seconds(fn, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 class Memcpy:
     """Single-thread libc memcpy between two prefaulted huge-page buffers: the limit here.
 
