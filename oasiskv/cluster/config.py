@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from ..decode_node.config import DecodeConfig
 
@@ -31,7 +31,20 @@ class ServeConfig(BaseModel):
     max_queued_requests: int = Field(64, ge=0, description="requests waiting for a decode pool before 429")
     request_timeout_s: float = Field(600.0, gt=0)
     prefill_chunk_tokens: int = Field(1024, ge=16)
+    prefill_engine: Literal["oasiskv", "vllm"] = Field(
+        "oasiskv", description="'vllm': prefill actors run vLLM and write KV into the stores through OasisKVConnector"
+    )
+    vllm_kv_cache_gb: float = Field(1.0, gt=0, description="vLLM prefill actors' own KV cache (prefill_engine='vllm')")
+    vllm_max_model_len: int | None = Field(None, ge=16, description="vLLM's max_model_len (default: the model's)")
     served_model_name: str | None = None
+
+    @model_validator(mode="after")
+    def _vllm_installed(self) -> "ServeConfig":
+        if self.prefill_engine == "vllm":
+            from ..prefill_node.vllm_worker import require_vllm
+
+            require_vllm()
+        return self
 
     @property
     def model_name(self) -> str:

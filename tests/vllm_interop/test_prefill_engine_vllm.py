@@ -1,0 +1,60 @@
+"""`oasiskv serve --prefill-engine vllm`: the real cluster (Ray, a NIXL store actor, a vLLM
+prefill actor writing through OasisKVConnector, an OasisKV decode actor) behind the
+OpenAI-compatible API, driven with the official `openai` client; greedy text must equal vLLM
+alone and OasisKV's engine."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from oasiskv.cluster.config import ServeConfig
+from oasiskv.cluster.server import BackgroundServer
+from oasiskv.decode_node.config import DecodeConfig
+from oasiskv.models.sampling import SamplingParams
+
+from ..conftest import DEFAULT_MODEL, stdlib_source
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def server():
+    config = ServeConfig(
+        model=DEFAULT_MODEL, port=0, store_capacity_gb=0.25, threads_per_worker=1, prefill_engine="vllm",
+        vllm_kv_cache_gb=0.25, vllm_max_model_len=4096, decode=DecodeConfig(kv_pool_gb=0.25, budget_tokens=1024),
+    )
+    with BackgroundServer(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def test_the_prefill_actors_run_vllm(server):
+    classes = {slot.handle._ray_actor_creation_function_descriptor.class_name for slot in server.service.handles.prefill}
+    assert classes == {"VLLMPrefillWorker"}
+
+
+def test_completions_through_a_vllm_prefill_match(client, smollm2_llm, vllm_prefill):
+    from .test_vllm_connector import vllm_alone
+
+    prompts = ["def fibonacci(n):", stdlib_source("heapq.py")[:2500]]
+    for prompt in prompts:
+        ids = smollm2_llm.encode(prompt)
+        out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        expected = smollm2_llm.generate([ids], SamplingParams(max_tokens=24))[0]
+        assert out.choices[0].text == expected.text
+        assert out.usage.prompt_tokens == len(ids)
+        assert vllm_alone(vllm_prefill, ids, max_tokens=len(expected.token_ids)) == expected.token_ids
+
+
+def test_streamed_chat_through_a_vllm_prefill(client, smollm2_llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    stream = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=16, temperature=0,
+                                            stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    expected = smollm2_llm.chat([messages], SamplingParams(max_tokens=16))[0].text
+    assert text == expected
