@@ -45,6 +45,9 @@ class DecodeRequest:
     finish_reason: str | None = None
     write_backs: list = field(default_factory=list)
     mode: str = "lookahead"
+    # A prefill that predicted no working set (vLLM prefill has no queries to give) makes the
+    # first step choose its blocks from its own query, as sparse-current does.
+    first_step_mode: str | None = None
     plan: RowPlan | None = None
     arrived: float = field(default_factory=time.perf_counter)
 
@@ -149,6 +152,8 @@ class DecodeEngine:
             heads.append(all_heads)
             blocks.append(np.full(all_layers.size, block))
             row_index.append(np.full(all_layers.size, index))
+        if plan.budget and req.mode == "lookahead" and not req.initial_selection.numel():
+            req.first_step_mode = "sparse-current"
         if plan.budget and req.initial_selection.numel():
             window_start = ws.window_blocks(tail).start
             for layer in range(layout.num_layers):
@@ -199,7 +204,8 @@ class DecodeEngine:
             pos = torch.arange(req.num_kv, req.num_kv + len(tokens))
             ids.extend(tokens)
             positions.append(pos)
-            step_reqs.append(StepRequest(req.ws, req.summaries, pos, len(draft.tokens), req.mode, req.plan.budget))
+            mode, req.first_step_mode = req.first_step_mode or req.mode, None
+            step_reqs.append(StepRequest(req.ws, req.summaries, pos, len(draft.tokens), mode, req.plan.budget))
         self._steps += 1
         self.backend.prepare(step_reqs, self._steps)
         device = self.config.device
