@@ -148,10 +148,12 @@ class SparseAttention:
         layout = self.pool.layout
         heads = torch.arange(layout.num_kv_heads)
         units = self.pool.unit_ids(self._rows[:, None, :], layer, heads[None, :, None])  # [B, kv_heads, R]
-        gathered = self.pool.units[units]  # [B, kv_heads, R, 2, bs, d]
         num_seqs, kv_heads = units.shape[:2]
-        keys = gathered[:, :, :, 0].reshape(num_seqs, kv_heads, -1, layout.head_dim)
-        values = gathered[:, :, :, 1].reshape(num_seqs, kv_heads, -1, layout.head_dim)
+        # One index_select each for K and V straight into [B, kv_heads, R * bs, d]: no
+        # [.., 2, bs, d] intermediate to split and copy again (several times faster on CPU).
+        units = units.reshape(-1).to(self.pool.units.device)
+        keys = torch.index_select(self.pool.units[:, 0], 0, units).view(num_seqs, kv_heads, -1, layout.head_dim)
+        values = torch.index_select(self.pool.units[:, 1], 0, units).view(num_seqs, kv_heads, -1, layout.head_dim)
         width = keys.shape[2]
         positions = torch.full((num_seqs, kv_heads, width), PAD_POSITION, dtype=torch.long)
         for i, req in enumerate(self.requests):

@@ -303,6 +303,44 @@ class DecodeEngine:
                 self._finish(req, "abort")
                 return
 
+    def close(self) -> None:
+        """Abort every waiting and running request (pool rows, drafter state and store memory are
+        given back), unregister the pool from the client and stop the I/O thread. Idempotent; the
+        engine cannot step afterwards. Every stage is attempted even if an earlier one fails (a
+        failed transfer, say); the first error is raised at the end."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        errors: list[BaseException] = []
+
+        def attempt(fn, *args) -> None:
+            try:
+                fn(*args)
+            except Exception as error:  # keep freeing the rest
+                errors.append(error)
+
+        while self.waiting:
+            req = self.waiting.popleft()
+            req.finish_reason = req.finish_reason or "abort"
+            attempt(self.client.free, req.request_id)
+        while self.running:
+            req = self.running.pop()
+            req.finish_reason = "abort"
+            attempt(self.drafter.release, req.request_id)
+            if req.ws is not None:
+                # Transfers into the pool land before its rows are reused or it is unregistered.
+                for handle in [h for h in req.ws.pending if h is not None] + req.write_backs:
+                    attempt(handle.wait, self.config.fetch_timeout_s)
+                req.write_backs.clear()
+                self.pool.allocator.free(req.ws.rows.tolist())
+                req.ws = None
+            attempt(self.client.free, req.request_id)
+        if hasattr(self.client.client, "unregister"):  # a StoreDirectory registers with each store itself
+            attempt(self.client.unregister, self.pool.tensor)
+        self.client.close()  # runs what is queued, then stops the thread
+        if errors:
+            raise RuntimeError(f"DecodeEngine.close: {len(errors)} error(s), the first: {errors[0]!r}") from errors[0]
+
     def run_to_completion(self) -> dict[str, DecodeOutput]:
         final = {}
         while self.has_unfinished:

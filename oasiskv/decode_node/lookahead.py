@@ -43,40 +43,52 @@ def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, dim=-1).indices
 
 
+def _membership(values: torch.Tensor, of: torch.Tensor, span: int) -> torch.Tensor:
+    """Per row (head): which of `values` ([H, n], in [0, span)) occur in `of` ([H, m], same range).
+    A [H, span] lookup table: linear in the sizes, unlike `isin`'s sort."""
+    table = torch.zeros((of.shape[0], span), dtype=torch.bool, device=of.device)
+    return table.scatter_(1, of, True).gather(1, values)
+
+
 def plan_replacements(
     ws: WorkingSet, layer: int, wanted: torch.Tensor, step: int, max_replace: int | None
 ) -> FetchPlan:
     """Make the budget rows of `layer` converge to `wanted` ([kv_heads, k], best first).
 
     Resident wanted blocks are marked selected at `step`; missing ones (best first, at most
-    `max_replace` per head) take the rows of empty or least-recently-selected unwanted blocks.
+    `max_replace` >= 0 per head) take the rows of empty or least-recently-selected unwanted
+    blocks (empty rows first, then by last selection, ties by row). The plan lists head by head,
+    best first within a head. All heads at once: no Python loop over heads.
     """
-    plan = FetchPlan([], [], [])
+    heads = wanted.shape[0]
     budget = ws.budget_slice
-    base = budget.start
-    for head in range(wanted.shape[0]):
-        resident = ws.blocks[layer, head, budget]
-        want = wanted[head]
-        hit = torch.isin(resident, want) & (resident != EMPTY)
-        ws.last_selected[layer, head, budget][hit] = step
-        missing = want[~torch.isin(want, resident)]
-        if max_replace is not None:
-            missing = missing[:max_replace]
-        if missing.numel() == 0:
-            continue
-        # Free rows first (never used), then the least recently selected of the unwanted.
-        recency = ws.last_selected[layer, head, budget].clone()
-        recency[resident == EMPTY] = -1
-        recency[hit] = torch.iinfo(torch.long).max
-        order = torch.argsort(recency, stable=True)[: missing.numel()]
-        for row_offset, block in zip(order.tolist(), missing.tolist()):
-            row = base + row_offset
-            ws.blocks[layer, head, row] = block
-            ws.last_selected[layer, head, row] = step
-            plan.heads.append(head)
-            plan.blocks.append(block)
-            plan.row_indices.append(row)
-    return plan
+    if heads == 0 or wanted.shape[1] == 0:
+        return FetchPlan([], [], [])
+    resident = ws.blocks[layer, :heads, budget]  # [H, B] view
+    selected = ws.last_selected[layer, :heads, budget]  # [H, B] view, written through
+    width = resident.shape[1]
+    low, high = torch.aminmax(torch.cat((wanted.reshape(-1).long(), resident.reshape(-1))))
+    low, span = int(low), int(high) - int(low) + 1
+    resident_ids, wanted_ids = resident - low, wanted.long() - low  # in [0, span)
+    hit = _membership(resident_ids, wanted_ids, span) & (resident != EMPTY)
+    selected[hit] = step
+    missing = ~_membership(wanted_ids, resident_ids, span)  # [H, k], best first
+    rank = missing.cumsum(dim=-1) - 1  # position among the head's missing blocks
+    limit = width if max_replace is None else min(max_replace, width)
+    take = missing & (rank < limit)
+    if not bool(take.any()):
+        return FetchPlan([], [], [])
+    # Free rows first (never used), then the least recently selected of the unwanted.
+    recency = selected.clone()
+    recency[resident == EMPTY] = -1
+    recency[hit] = torch.iinfo(torch.long).max
+    order = torch.argsort(recency, dim=-1, stable=True)  # [H, B] row offsets, evict first
+    head_ids, slots = take.nonzero(as_tuple=True)  # head-major, best first within a head
+    rows = budget.start + order[head_ids, rank[head_ids, slots]]
+    blocks = wanted[head_ids, slots]
+    ws.blocks[layer, head_ids, rows] = blocks.to(ws.blocks.dtype)
+    ws.last_selected[layer, head_ids, rows] = step
+    return FetchPlan(head_ids.tolist(), blocks.tolist(), rows.tolist())
 
 
 def recall(predicted: torch.Tensor, actual: torch.Tensor) -> float:

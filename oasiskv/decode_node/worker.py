@@ -8,6 +8,7 @@ back to the actor's event loop with call_soon_threadsafe, where `generate` yield
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -23,6 +24,8 @@ from .config import DecodeConfig
 from .engine import DecodeEngine
 from .speculative import NgramDrafter
 from .store_directory import StoreDirectory
+
+log = logging.getLogger(__name__)
 
 
 def build_drafter(name: str, target, target_tokenizer, dtype: torch.dtype):
@@ -51,6 +54,8 @@ class DecodeWorker:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._error: str | None = None
+        self._closed = False  # shutdown() was called
+        self._stopped = False  # the loop has closed the engine and ended
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self._thread.start()
 
@@ -78,11 +83,29 @@ class DecodeWorker:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))
 
+    def shutdown(self, timeout_s: float = 60.0) -> None:
+        """Stop the loop; the engine aborts every request (pool rows and store memory given
+        back), unregisters its pool and stops its I/O thread; the store clients close. Open
+        streams end with finish_reason "abort". Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._commands.put(("shutdown", None, None))
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("decode loop did not stop within %.0f s; the engine was not closed", timeout_s)
+
+    def __ray_shutdown__(self) -> None:
+        """Ray calls this when the actor exits gracefully."""
+        self.shutdown()
+
     async def generate(self, prefill, params: dict, store_address: str, mode: str | None = None,
                        budget_tokens: int | None = None):
         """Stream DecodeOutput dicts for one request until it finishes (or is aborted)."""
         if self._error:
             raise RuntimeError(f"decode worker failed: {self._error}")
+        if self._closed:
+            raise RuntimeError("decode worker is shut down")
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         request_id = prefill.request_id
@@ -106,12 +129,36 @@ class DecodeWorker:
             loop, outputs = stream
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
+    def _abort_output(self, request_id: str) -> dict:
+        return {"request_id": request_id, "new_token_ids": [], "token_ids": [], "text": "",
+                "finished": True, "finish_reason": "abort"}
+
+    def _close(self) -> None:
+        """On the loop thread (the engine is single-threaded): close everything, end every stream."""
+        self._stopped = True
+        try:
+            self.engine.close()
+        except Exception as error:
+            log.warning("closing the decode engine: %s", error)
+        try:
+            self.stores.close()
+        except Exception as error:
+            log.warning("closing the store clients: %s", error)
+        for request_id in list(self._streams):
+            self._deliver(request_id, self._abort_output(request_id))
+
     def _apply(self, command) -> None:
         kind, request_id, payload = command
+        if self._stopped:  # a request that raced shutdown: end its stream
+            if request_id is not None:
+                self._deliver(request_id, self._abort_output(request_id))
+            return
+        if kind == "shutdown":
+            self._close()
+            return
         if kind == "abort":
             self.engine.abort(request_id)
-            self._deliver(request_id, {"request_id": request_id, "new_token_ids": [], "token_ids": [], "text": "",
-                                       "finished": True, "finish_reason": "abort"})
+            self._deliver(request_id, self._abort_output(request_id))
             return
         prefill, params, store_address, mode, budget = payload
         try:
@@ -122,7 +169,7 @@ class DecodeWorker:
             self._deliver(request_id, error)
 
     def _loop(self) -> None:
-        while True:
+        while not self._stopped:
             try:
                 timeout = None if not self.engine.has_unfinished else 0
                 try:
@@ -131,6 +178,8 @@ class DecodeWorker:
                         self._apply(self._commands.get_nowait())
                 except queue.Empty:
                     pass
+                if self._stopped:
+                    break
                 if self.engine.has_unfinished:
                     for out in self.engine.step():
                         self._deliver(out.request_id, asdict(out))
@@ -138,4 +187,6 @@ class DecodeWorker:
                 self._error = f"{type(error).__name__}: {error}"
                 for request_id in list(self._streams):
                     self._deliver(request_id, RuntimeError(self._error))
+                if self._stopped:
+                    break
                 time.sleep(0.5)

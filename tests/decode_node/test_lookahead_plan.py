@@ -1,0 +1,111 @@
+"""`plan_replacements` (all heads at once) against the per-head loop it replaced, on random
+working sets: the same fetch plan, the same block map, the same recency, step after step."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oasiskv.decode_node.lookahead import FetchPlan, plan_replacements
+from oasiskv.decode_node.working_set import EMPTY, RowPlan, WorkingSet
+
+
+def reference_plan_replacements(ws: WorkingSet, layer: int, wanted: torch.Tensor, step: int,
+                                max_replace: int | None) -> FetchPlan:
+    """The original implementation, one head at a time (the reference for the vectorized one)."""
+    plan = FetchPlan([], [], [])
+    budget = ws.budget_slice
+    base = budget.start
+    for head in range(wanted.shape[0]):
+        resident = ws.blocks[layer, head, budget]
+        want = wanted[head]
+        hit = torch.isin(resident, want) & (resident != EMPTY)
+        ws.last_selected[layer, head, budget][hit] = step
+        missing = want[~torch.isin(want, resident)]
+        if max_replace is not None:
+            missing = missing[:max_replace]
+        if missing.numel() == 0:
+            continue
+        recency = ws.last_selected[layer, head, budget].clone()
+        recency[resident == EMPTY] = -1
+        recency[hit] = torch.iinfo(torch.long).max
+        order = torch.argsort(recency, stable=True)[: missing.numel()]
+        for row_offset, block in zip(order.tolist(), missing.tolist()):
+            row = base + row_offset
+            ws.blocks[layer, head, row] = block
+            ws.last_selected[layer, head, row] = step
+            plan.heads.append(head)
+            plan.blocks.append(block)
+            plan.row_indices.append(row)
+    return plan
+
+
+def _random_ws(g: torch.Generator, layers: int, heads: int, budget: int, num_blocks: int,
+               duplicates: bool) -> WorkingSet:
+    plan = RowPlan(sinks=1, ring=3, budget=budget)
+    ws = WorkingSet("r", torch.arange(plan.total), plan, layers, heads, 16)
+    shape = ws.blocks[:, :, ws.budget_slice].shape
+    if duplicates:  # not a state the engine reaches; the two must still agree
+        blocks = torch.randint(0, num_blocks, shape, generator=g)
+    else:
+        blocks = torch.stack([torch.randperm(max(num_blocks, budget), generator=g)[:budget]
+                              for _ in range(layers * heads)]).reshape(shape)
+    empty = torch.rand(shape, generator=g) < 0.3
+    ws.blocks[:, :, ws.budget_slice] = blocks.masked_fill(empty, EMPTY)
+    ws.last_selected[:, :, ws.budget_slice] = torch.randint(0, 4, shape, generator=g)  # many ties
+    return ws
+
+
+def _random_wanted(g: torch.Generator, heads: int, k: int, num_blocks: int) -> torch.Tensor:
+    if k == 0:
+        return torch.empty((heads, 0), dtype=torch.long)
+    return torch.stack([torch.randperm(max(num_blocks, k), generator=g)[:k] for _ in range(heads)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    heads=st.integers(1, 8),
+    budget=st.integers(0, 24),
+    num_blocks=st.integers(1, 60),
+    k_extra=st.integers(-24, 3),
+    max_replace=st.one_of(st.none(), st.integers(0, 30)),
+    duplicates=st.booleans(),
+    steps=st.integers(1, 4),
+)
+def test_vectorized_plan_matches_the_per_head_loop(seed, heads, budget, num_blocks, k_extra, max_replace,
+                                                    duplicates, steps):
+    g = torch.Generator().manual_seed(seed)
+    layers = 2
+    fast = _random_ws(g, layers, heads, budget, num_blocks, duplicates)
+    slow = _random_ws(torch.Generator().manual_seed(seed), layers, heads, budget, num_blocks, duplicates)
+    assert torch.equal(fast.blocks, slow.blocks)
+    for step in range(5, 5 + steps):
+        layer = step % layers
+        k = max(0, budget + k_extra)  # usually k <= budget (as top_blocks gives), sometimes more
+        wanted = _random_wanted(g, heads, k, num_blocks)
+        got = plan_replacements(fast, layer, wanted, step, max_replace)
+        expected = reference_plan_replacements(slow, layer, wanted, step, max_replace)
+        assert (got.heads, got.blocks, got.row_indices) == (expected.heads, expected.blocks, expected.row_indices)
+        assert torch.equal(fast.blocks, slow.blocks)
+        assert torch.equal(fast.last_selected, slow.last_selected)
+
+
+def test_plan_prefers_empty_then_least_recently_selected_rows():
+    plan = RowPlan(sinks=0, ring=1, budget=4)
+    ws = WorkingSet("r", torch.arange(plan.total), plan, 1, 2, 16)
+    ws.blocks[0, :, 1:] = torch.tensor([[10, 11, EMPTY, 13], [20, 21, 22, 23]])
+    ws.last_selected[0, :, 1:] = torch.tensor([[3, 1, 0, 2], [3, 1, 0, 2]])
+    wanted = torch.tensor([[13, 40, 41], [21, 50, 51]])
+    fetch = plan_replacements(ws, 0, wanted, 7, max_replace=2)
+    # Head 0: 13 stays; 40 takes the empty row (3), 41 the least recently selected unwanted (11, row 2).
+    # Head 1: 21 stays; 50 takes 22 (selected at 0, row 3), 51 takes 23 (selected at 2, row 4).
+    assert fetch.heads == [0, 0, 1, 1]
+    assert fetch.blocks == [40, 41, 50, 51]
+    assert fetch.row_indices == [3, 2, 3, 4]
+    assert ws.blocks[0, :, 1:].tolist() == [[10, 41, 40, 13], [20, 21, 50, 51]]
+    assert ws.last_selected[0, :, 1:].tolist() == [[3, 7, 7, 7], [3, 7, 7, 7]]
+    # The cap: one replacement per head at most.
+    fetch = plan_replacements(ws, 0, torch.tensor([[60, 61], [70, 71]]), 8, max_replace=1)
+    assert fetch.blocks == [60, 70]
