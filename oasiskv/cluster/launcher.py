@@ -88,6 +88,12 @@ def shutdown(handles: ClusterHandles | None) -> None:
     import ray
 
     if handles is not None:
+        # Decode workers first: they free their requests in the stores before the stores stop.
+        for decode in handles.decode:
+            try:
+                ray.get(decode.handle.shutdown.remote(), timeout=30)
+            except Exception:  # a dead worker has nothing left to free
+                pass
         for store in handles.stores:
             try:
                 ray.get(store.handle.shutdown.remote(), timeout=10)
