@@ -19,22 +19,23 @@ positions < t (the draft rows' K/V go to scratch slots), once per drafter:
   - n-gram drafter: `NgramDrafter` (prompt lookup) proposes from the history ids[:t+1], as the
     decode node does (when it proposes nothing the current query is used, as the node does).
 
-Predictors, each the top-K (K = budget / 16 blocks, per layer and KV head) of the min/max-bound
-score `score_blocks` (the decode node's own function: the bound summed over the query heads of
-the KV group, the best of several rows):
+Predictors, each the top-K (K = budget / 16 blocks, per layer and KV head) of `score_blocks`
+(the decode node's own ranking: q.center + 0.4 |q|.radius of the blocks' min/max key summary,
+summed over the query heads of the KV group, the mean over the query rows given):
   - lookahead_perfect / lookahead_ngram: the draft rows' queries of that drafter's pass;
   - current: the query at position t (row 0; what `sparse-current` uses);
-  - oracle_bound: the target query itself through the bound (the best any bound-based
-    predictor can do; it isolates the bound's own loss from the prediction's);
-  - perfect_first_draft (diagnostic): the first true draft row alone, without the vote among
-    k rows that the decode node takes (`score_blocks` keeps each block's best bound over rows).
+  - oracle_ranking: the target query itself through the ranking (the best any summary-based
+    predictor with this ranking can do; it isolates the ranking's loss from the prediction's);
+  - perfect_first_draft (diagnostic): the first true draft row alone;
+  - lookahead_perfect_bound / current_bound: the rule used before 2026-11-30, the min/max upper
+    bound itself (radius weight 1), each block's best row, for comparison.
 
 Truth (the set to recall), per layer and KV head:
   - exact: top-K blocks by the exact attention weights of the true query at the target position
     (softmax over every key up to it), summed over the query heads of the KV group and over the
     block's tokens;
-  - bound: top-K by the bound of that true query (what the decode node itself would select with
-    the real next query; the definition its `prediction_recall` counter uses);
+  - ranking: top-K by the node's ranking of that true query (what the decode node itself would
+    select with the real next query; the definition its `prediction_recall` counter uses);
   - mass (not a set recall): the exact attention mass the predicted blocks hold, as a share of
     the mass the exact top-K holds (how much of what matters a predictor keeps).
 Targets: next_token = position t+1 (the next query if one token is emitted); next_step =
@@ -71,6 +72,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from oasiskv.decode_node.lookahead import recall, score_blocks, top_blocks  # noqa: E402
+from oasiskv.kvstore import block_scores  # noqa: E402
 from oasiskv.decode_node.speculative import NgramDrafter  # noqa: E402
 from oasiskv.kvstore import summarize_layer  # noqa: E402
 from oasiskv.models.attention import AttentionBatch, PagedAttention  # noqa: E402
@@ -81,8 +83,9 @@ from bench.common import real_text_token_ids, write_results  # noqa: E402
 BLOCK = 16
 PAPER = {"lookahead": 0.9874, "current": 0.839}
 GOAL = 0.987
-PREDICTORS = ("lookahead_perfect", "lookahead_ngram", "current", "oracle_bound", "perfect_first_draft")
-TRUTHS = ("exact", "bound", "mass")
+PREDICTORS = ("lookahead_perfect", "lookahead_ngram", "current", "oracle_ranking", "perfect_first_draft",
+              "lookahead_perfect_bound", "current_bound")
+TRUTHS = ("exact", "ranking", "mass")
 
 
 def default_contexts(model: str, quick: bool) -> list[int]:
@@ -223,6 +226,12 @@ def load_llm(name: str, dtype: str = "float32"):
 
 
 # ---------------------------------------------------------------------------------------------
+def bound_max_scores(queries: torch.Tensor, summaries: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """The decode node's rule before 2026-11-30: the min/max upper bound, each block's best row."""
+    scores = block_scores(queries, summaries).amax(dim=0)
+    return scores.masked_fill(~candidates[None, :], float("-inf"))
+
+
 def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int, window: int, drafter: NgramDrafter,
                       scale: float, sliding_window) -> dict:
     ids = ctx.ids
@@ -248,14 +257,17 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
             "current": top_blocks(score_blocks(perfect_q[layer, :1], summaries, candidates), top_k),
             # Diagnostic: the first true draft row alone (no vote among rows).
             "perfect_first_draft": top_blocks(score_blocks(perfect_q[layer, 1:2], summaries, candidates), top_k),
+            # The previous rule, for comparison: the upper bound itself, each block's best row.
+            "lookahead_perfect_bound": top_blocks(bound_max_scores(perfect_q[layer, 1:], summaries, candidates), top_k),
+            "current_bound": top_blocks(bound_max_scores(perfect_q[layer, :1], summaries, candidates), top_k),
         }
         for target, p in targets.items():
             true_q = ctx.queries[p][layer]
             mass = block_attention_mass(true_q, ctx.keys(layer, p + 1), scale, sliding_window[layer])
             mass = mass[:, : candidates.numel()].masked_fill(~candidates[None], 0.0)
             truths = {"exact": top_blocks(mass.masked_fill(~candidates[None], float("-inf")), top_k),
-                      "bound": top_blocks(score_blocks(true_q[None], summaries, candidates), top_k)}
-            preds = {**predictions, "oracle_bound": truths["bound"]}
+                      "ranking": top_blocks(score_blocks(true_q[None], summaries, candidates), top_k)}
+            preds = {**predictions, "oracle_ranking": truths["ranking"]}
             for truth, actual in truths.items():
                 for name, predicted in preds.items():
                     out[f"{truth}/{target}/{name}"].append(recall(predicted, actual))
@@ -354,7 +366,7 @@ def main(argv=None) -> int:
 def print_table(results: dict) -> None:
     print(f"\nrecall of the true top-{results['top_k_blocks']} blocks (budget {results['budget_tokens']} tokens), "
           f"{results['model']}, k={results['num_draft_tokens']} drafts; mean over layers and positions")
-    cols = ("exact/next_token", "exact/next_step", "bound/next_token", "bound/next_step", "mass/next_token")
+    cols = ("exact/next_token", "exact/next_step", "ranking/next_token", "ranking/next_step", "mass/next_token")
     for row in results["contexts"]:
         acc = row["ngram_acceptance"]
         print(f"\ncontext {row['context']} tokens, {len(row['positions'])} positions, {row['candidate_blocks']} candidate "
@@ -384,7 +396,7 @@ def _plot(results: dict, axes) -> None:
     width = 0.8 / len(PREDICTORS)
     for i, pred in enumerate(PREDICTORS):
         xs = [j + (i - (len(PREDICTORS) - 1) / 2) * width for j in range(len(results["contexts"]))]
-        ax_bars.bar(xs, [r["recall_mean"][f"bound/next_token/{pred}"] for r in results["contexts"]], width, label=pred,
+        ax_bars.bar(xs, [r["recall_mean"][f"ranking/next_token/{pred}"] for r in results["contexts"]], width, label=pred,
                     color=f"C{i}")
         ax_bars.scatter(xs, [r["recall_mean"][f"exact/next_token/{pred}"] for r in results["contexts"]], marker="_",
                         s=200, color="k", zorder=3, label="truth = exact attention" if i == 0 else None)
@@ -393,7 +405,7 @@ def _plot(results: dict, axes) -> None:
     ax_bars.set_xticks(range(len(results["contexts"])), [str(r["context"]) for r in results["contexts"]])
     ax_bars.set_xlabel("context tokens")
     ax_bars.set_ylim(0, 1.45)
-    ax_bars.set_title("mean over layers, next token (bars: truth = bound)")
+    ax_bars.set_title("mean over layers, next token (bars: truth = the node's ranking)")
     ax_bars.legend(fontsize=6, loc="upper center", ncol=3)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kvstore import RANKING_RADIUS_WEIGHT
 from ..models.attention import (
     PAD_POSITION,
     AttentionBatch,
@@ -44,7 +45,7 @@ class StepRequest:
 
 class SparseAttention:
     def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace: int, miss_policy: str,
-                 counters: DecodeCounters, fetch_timeout_s: float):
+                 counters: DecodeCounters, fetch_timeout_s: float, radius_weight: float = RANKING_RADIUS_WEIGHT):
         self.pool = pool
         self.client = client
         self.sliding_window = sliding_window
@@ -53,6 +54,7 @@ class SparseAttention:
         self.miss_policy = miss_policy
         self.counters = counters
         self.fetch_timeout_s = fetch_timeout_s
+        self.radius_weight = radius_weight
         self.requests: list[StepRequest] = []
         self.batch: AttentionBatch | None = None
         self.step_index = 0
@@ -175,7 +177,7 @@ class SparseAttention:
 
     def _select_and_fetch(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]], wait: bool) -> None:
         for req, query in work:
-            scores = score_blocks(query, req.summaries[layer], self._candidates(req))
+            scores = score_blocks(query, req.summaries[layer], self._candidates(req), self.radius_weight)
             wanted = top_blocks(scores, min(req.budget_blocks, req.ws.plan.budget))
             cap = None if wait else self.max_replace
             plan = plan_replacements(req.ws, layer, wanted, self.step_index, cap)
@@ -221,7 +223,7 @@ class SparseAttention:
 
     def _track_recall(self, layer: int, req: StepRequest, current: torch.Tensor) -> None:
         """How many of the current query's top-K blocks are resident (were predicted)."""
-        scores = score_blocks(current, req.summaries[layer], self._candidates(req))
+        scores = score_blocks(current, req.summaries[layer], self._candidates(req), self.radius_weight)
         actual = top_blocks(scores, min(req.budget_blocks, req.ws.plan.budget))
         if actual.numel():
             resident = req.ws.blocks[layer, :, req.ws.budget_slice]

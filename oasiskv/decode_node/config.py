@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from ..kvstore import RANKING_RADIUS_WEIGHT
+
 Mode = Literal["dense", "sparse-current", "lookahead"]
 
 
@@ -18,6 +20,10 @@ class DecodeConfig(BaseModel):
     num_draft_tokens: int = Field(3, ge=0, le=15, description="k: drafts verified per step (0 = plain decoding)")
     drafter: str = Field("ngram", description="'ngram' (prompt lookup) or a draft model (registry name / path)")
     max_replace_fraction: float = Field(0.05, gt=0, le=1, description="budget share one step may replace")
+    radius_weight: float = Field(
+        RANKING_RADIUS_WEIGHT, ge=0, le=1,
+        description="blocks are ranked by q.center + w |q|.radius of their min/max key summary (1: the upper bound)",
+    )
     miss_policy: Literal["wait", "skip"] = "wait"
     max_num_seqs: int = Field(32, ge=1)
     block_size: int = Field(16, ge=1)

@@ -26,11 +26,11 @@ from .layout import KVLayout, pack_layer, pack_request, unpack_units
 from .ray_actor import KVStoreActor, launch_store_actor
 from .server import KVStoreServer
 from .store import KVStore, RequestInfo, StoreStats
-from .summary import block_scores, summarize_keys, summarize_layer, summarize_request
+from .summary import RANKING_RADIUS_WEIGHT, block_scores, summarize_keys, summarize_layer, summarize_request
 from .transport import TransferHandle
 
 __all__ = [
-    "BlockOutOfRange", "InvalidArgument", "KVLayout", "KVStore", "KVStoreActor", "KVStoreClient",
+    "RANKING_RADIUS_WEIGHT", "BlockOutOfRange", "InvalidArgument", "KVLayout", "KVStore", "KVStoreActor", "KVStoreClient",
     "KVStoreConfig", "KVStoreError", "KVStoreServer", "ProtocolError", "RemoteError", "RequestExists",
     "RequestInfo", "StoreFull", "StoreStats", "StoreTimeout", "StoreUnavailable", "TransferError",
     "TransferHandle", "UnknownRequest", "alloc_host_buffer", "block_scores", "connect",
