@@ -88,3 +88,19 @@ def test_bound_on_hypothesis_chosen_points(keys, query):
     bound = block_scores(q, summaries)[0, 0]
     true_max = (k[:, 0] @ q[0]).max()
     assert bound >= true_max - 1e-3 * (1 + q.abs().sum() * k.abs().max())
+
+
+def test_radius_weight_interpolates_between_center_and_bound():
+    torch.manual_seed(3)
+    keys = torch.randn(64, 2, 16)
+    summaries = summarize_layer(keys, 16)  # [kv_heads, blocks, 2, d]
+    queries = torch.randn(3, 4, 16)  # 3 rows, 4 query heads over 2 KV heads
+    bound = block_scores(queries, summaries)
+    assert torch.equal(block_scores(queries, summaries, 1.0), bound)
+    lo, hi = summaries[..., 0, :], summaries[..., 1, :]
+    q_sum = queries.reshape(3, 2, 2, 16).sum(dim=2)
+    center_only = torch.einsum("rhd,hbd->rhb", q_sum, (lo + hi) / 2)
+    torch.testing.assert_close(block_scores(queries, summaries, 0.0), center_only)
+    weighted = block_scores(queries, summaries, 0.4)
+    torch.testing.assert_close(weighted, center_only + 0.4 * (bound - center_only))
+    assert (weighted <= bound + 1e-5).all()
