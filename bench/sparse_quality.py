@@ -266,6 +266,10 @@ def main(argv=None) -> int:
     parser.add_argument("--sink-blocks", type=int, default=1)
     parser.add_argument("--window-blocks", type=int, default=4)
     parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
+    parser.add_argument("--max-replace-fraction", type=float, default=None,
+                        help="budget share one step may replace (default: DecodeConfig's)")
+    parser.add_argument("--radius-weight", type=float, default=None, help="block ranking's radius weight (default: DecodeConfig's)")
+    parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--skip-free-running", action="store_true", help="teacher-forced pass only")
     parser.add_argument("--skip-ideal", action="store_true", help="skip the ideal-selection diagnostic")
     parser.add_argument("--quick", action="store_true")
@@ -298,7 +302,9 @@ def main(argv=None) -> int:
     with tqdm(total=len(runs) * passes, desc="runs") as bar:
         for mode, budget in runs:
             config = DecodeConfig(mode=mode, budget_tokens=budget or 2048, num_draft_tokens=k, kv_pool_gb=1.0,
-                                  sink_blocks=args.sink_blocks, window_blocks=args.window_blocks)
+                                  sink_blocks=args.sink_blocks, window_blocks=args.window_blocks,
+                                  **{name: getattr(args, name) for name in ("max_replace_fraction", "radius_weight")
+                                     if getattr(args, name) is not None})
             config = config.model_copy(update={"kv_pool_gb": pool_gb(layout, config, args.context, args.new_tokens)})
             tag = f"{mode}-{budget}"
             row = {"mode": mode, "budget_tokens": budget}
@@ -338,7 +344,8 @@ def main(argv=None) -> int:
     results["ideal_selection"] = summarize_ideal(ideal, rows[0], args.context)
     results["total_s"] = time.perf_counter() - started
     print_table(results)
-    write_results(Path(args.out), f"sparse_quality_{args.model}", results, plot=_plot)
+    results["decode_config_overrides"] = {"max_replace_fraction": args.max_replace_fraction, "radius_weight": args.radius_weight}
+    write_results(Path(args.out), f"sparse_quality_{args.model}{'_' + args.tag if args.tag else ''}", results, plot=_plot)
     return 0
 
 
