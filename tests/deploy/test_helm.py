@@ -137,7 +137,8 @@ def test_crd_schema_catches_a_misspelt_field(rendered):
 
 
 def test_values_schema_rejects_bad_values():
-    for bad in ("workers.decode.replicas=0", "serve.mode=fast", "image.device=tpu", "serve.port=6379",
+    for bad in ("workers.decode.replicas=0", "serve.mode=fast", "serve.prefillEngine=sglang", "image.device=tpu",
+                "serve.port=6379",
                 "networkPolicy.apiFrom[0].podSelectr.a=b"):
         result = helm_template(None, "--set", bad, check=False)
         assert result.returncode != 0 and "schema" in result.stderr, (bad, result.stderr)
@@ -345,3 +346,9 @@ def test_ray_auth_can_be_disabled_explicitly():
     for _, template in pod_templates(cluster):
         env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
         assert env["RAY_AUTH_MODE"]["value"] == "disabled" and "RAY_AUTH_TOKEN" not in env
+
+
+def test_prefill_engine_reaches_oasiskv_serve():
+    for engine in ("oasiskv", "vllm"):
+        docs = [d for d in yaml.safe_load_all(helm_template(None, "--set", f"serve.prefillEngine={engine}").stdout) if d]
+        assert head_args(one(docs, "RayCluster"))["--prefill-engine"] == engine
