@@ -45,7 +45,8 @@ class StepRequest:
 
 class SparseAttention:
     def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace: int, miss_policy: str,
-                 counters: DecodeCounters, fetch_timeout_s: float, radius_weight: float = RANKING_RADIUS_WEIGHT):
+                 counters: DecodeCounters, fetch_timeout_s: float, radius_weight: float = RANKING_RADIUS_WEIGHT,
+                 recall_sample_steps: int = 1):
         self.pool = pool
         self.client = client
         self.sliding_window = sliding_window
@@ -55,6 +56,7 @@ class SparseAttention:
         self.counters = counters
         self.fetch_timeout_s = fetch_timeout_s
         self.radius_weight = radius_weight
+        self.recall_sample_steps = recall_sample_steps
         self.requests: list[StepRequest] = []
         self.batch: AttentionBatch | None = None
         self.step_index = 0
@@ -119,8 +121,9 @@ class SparseAttention:
         row_starts = self._row_starts().tolist()
         current = [q[start : start + 1] for start in row_starts]  # each request's current query
         sparse = [i for i, r in enumerate(self.requests) if r.mode != "dense" and r.ws.plan.budget]
-        for i in sparse:
-            self._track_recall(layer, self.requests[i], current[i])
+        if (self.step_index - 1) % self.recall_sample_steps == 0:  # the first step is always sampled
+            for i in sparse:
+                self._track_recall(layer, self.requests[i], current[i])
         on_demand = [i for i in sparse if self.requests[i].mode == "sparse-current"]
         self._select_and_fetch(layer, [(self.requests[i], current[i]) for i in on_demand], wait=True)
         self._write_new_kv(layer, k, v)

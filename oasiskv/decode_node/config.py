@@ -24,6 +24,9 @@ class DecodeConfig(BaseModel):
         RANKING_RADIUS_WEIGHT, ge=0, le=1,
         description="blocks are ranked by q.center + w |q|.radius of their min/max key summary (1: the upper bound)",
     )
+    recall_sample_steps: int = Field(
+        8, ge=1, description="the prediction-recall counter scores the current query every Nth step (it cost 13% of a step)"
+    )
     miss_policy: Literal["wait", "skip"] = "wait"
     max_num_seqs: int = Field(32, ge=1)
     block_size: int = Field(16, ge=1)

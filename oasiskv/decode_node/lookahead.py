@@ -31,8 +31,19 @@ def score_blocks(queries: torch.Tensor, summaries: torch.Tensor, candidates: tor
     """queries [rows, q_heads, d]; summaries [kv_heads, blocks, 2, d] -> [kv_heads, blocks].
 
     Several query rows (the drafts) vote by their mean score (measured: 1-2 points more recall of
-    the next step's exact top-K than each block's best row); non-candidates get -inf."""
-    scores = block_scores(queries, summaries, radius_weight).mean(dim=0)
+    the next step's exact top-K than each block's best row); non-candidates get -inf. Equals
+    `block_scores(queries, summaries, radius_weight).mean(0)`: the score is linear in the
+    group-summed q and |q|, so the rows are averaged first and the summaries are read once, as
+    lo . (q - w|q|)/2 + hi . (q + w|q|)/2."""
+    kv_heads, _, two, head_dim = summaries.shape
+    if two != 2 or queries.shape[-1] != head_dim or queries.shape[-2] % kv_heads:
+        return block_scores(queries, summaries, radius_weight).mean(dim=0)  # raises with the shapes
+    q = queries.float().reshape(queries.shape[0], kv_heads, -1, head_dim)
+    q_sum = q.sum(dim=2).mean(dim=0)  # [kv_heads, d]
+    q_abs = q.abs().sum(dim=2).mean(dim=0) * radius_weight
+    weights = torch.cat(((q_sum - q_abs) * 0.5, (q_sum + q_abs) * 0.5), dim=1)  # [kv_heads, 2d], lo then hi
+    flat = summaries.float().reshape(kv_heads, summaries.shape[1], 2 * head_dim)
+    scores = (flat * weights[:, None, :]).sum(dim=-1)  # a matrix-vector product; bmm was 4x slower here
     return scores.masked_fill(~candidates[None, :], float("-inf"))
 
 
