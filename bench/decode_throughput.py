@@ -279,7 +279,9 @@ def breakdown(t: dict) -> dict:
 def run_mode(llm, client, prompts: PromptSet, mode: str, lengths: list[int], args, pool_gb: float, tag: str) -> dict:
     config = DecodeConfig(mode=mode, kv_pool_gb=pool_gb, budget_tokens=args.budget_tokens,
                           num_draft_tokens=args.num_draft_tokens, sink_blocks=args.sink_blocks,
-                          window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)))
+                          window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)),
+                          **({"max_replace_fraction": args.max_replace_fraction}
+                             if getattr(args, "max_replace_fraction", None) is not None else {}))
     engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=NgramDrafter())
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     ids = [f"{tag}-{mode}-{i}" for i in range(len(lengths))]
@@ -343,6 +345,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every mode; medians reported")
     parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
+    parser.add_argument("--max-replace-fraction", type=float, default=None,
+                        help="budget share one step may replace (default: DecodeConfig's)")
+    parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))
     args = parser.parse_args(argv)
@@ -403,7 +408,8 @@ def main(argv=None) -> int:
         store.close()
     results["total_s"] = time.perf_counter() - started
     print_tables(results)
-    write_results(Path(args.out), f"decode_throughput_{args.model}", results, plot=_plot)
+    results["max_replace_fraction"] = args.max_replace_fraction
+    write_results(Path(args.out), f"decode_throughput_{args.model}{'_' + args.tag if args.tag else ''}", results, plot=_plot)
     return 0
 
 
