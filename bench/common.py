@@ -27,6 +27,33 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def percentile(values, q: int) -> float | None:
+    """The q-th percentile (inclusive method) of the values that are not None; None if none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    if len(values) == 1:
+        return values[0]
+    if q == 50:
+        return statistics.median(values)
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+
+
+def latency_summary(requests: list[dict]) -> dict:
+    """Throughput and TTFT / TPOT / E2E percentiles of one load (bench/pd_throughput.py's
+    per-request records: sent_s, done_s, completion_tokens, ttft_s, tpot_s, e2e_s)."""
+    wall = max(r["done_s"] for r in requests) - min(r["sent_s"] for r in requests)
+    tokens = sum(r["completion_tokens"] or 0 for r in requests)
+    ttfts = [r["ttft_s"] for r in requests if r["ttft_s"] is not None]
+    tpots = [r["tpot_s"] for r in requests if r["tpot_s"] is not None]
+    return {
+        "wall_s": wall, "completion_tokens": tokens, "throughput_tok_s": tokens / wall,
+        "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90), "ttft_max_s": max(ttfts) if ttfts else None,
+        "tpot_p50_s": percentile(tpots, 50), "tpot_p90_s": percentile(tpots, 90),
+        "e2e_p50_s": percentile([r["e2e_s"] for r in requests], 50),
+    }
+
+
 def real_text_token_ids(llm, num_tokens: int, offset: int = 0) -> list[int]:
     """`num_tokens` token ids of standard-library source, starting `offset` lines in."""
     lines = stdlib_text().splitlines(keepends=True)

@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT.parent))
 import openai  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from bench.common import stdlib_text, write_results  # noqa: E402
+from bench.common import latency_summary, stdlib_text, write_results  # noqa: E402
 from oasiskv.cluster.config import ServeConfig  # noqa: E402
 from oasiskv.cluster.server import BackgroundServer  # noqa: E402
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
@@ -223,20 +223,12 @@ def run_mode(mode: str, args, prompts: list[list[int]], geometry: Geometry, pool
             if after["running"] == 0 and after["waiting"] == 0:
                 break
             time.sleep(0.2)
-    wall = max(r["done_s"] for r in requests) - min(r["sent_s"] for r in requests)
     delta = {k: after[k] - before[k] for k in ("steps", "generated_tokens", "bytes_fetched", "admission_bytes_fetched",
                                                 "blocks_fetched", "blocks_written_back", "drafts_proposed",
                                                 "drafts_accepted", "prefetch_hits", "prefetch_misses", "fetch_wait_s")}
-    tokens = sum(r["completion_tokens"] or 0 for r in requests)
-    ttfts = [r["ttft_s"] for r in requests if r["ttft_s"] is not None]
-    tpots = [r["tpot_s"] for r in requests if r["tpot_s"] is not None]
     rows_per_request = geometry.rows(decode, len(prompts[0]), args.max_tokens)
     return {
-        "mode": mode, "startup_s": startup_s, "wall_s": wall,
-        "completion_tokens": tokens, "throughput_tok_s": tokens / wall,
-        "ttft_p50_s": _pct(ttfts, 50), "ttft_p90_s": _pct(ttfts, 90), "ttft_max_s": max(ttfts) if ttfts else None,
-        "tpot_p50_s": _pct(tpots, 50), "tpot_p90_s": _pct(tpots, 90),
-        "e2e_p50_s": _pct([r["e2e_s"] for r in requests], 50),
+        "mode": mode, "startup_s": startup_s, **latency_summary(requests),
         "admission_bytes": delta["admission_bytes_fetched"],
         "admission_bytes_per_request": delta["admission_bytes_fetched"] / len(prompts),
         "decode_fetch_bytes": delta["bytes_fetched"],
@@ -251,16 +243,6 @@ def run_mode(mode: str, args, prompts: list[list[int]], geometry: Geometry, pool
         "pool_timeline": sampler.samples,
         "requests": requests,
     }
-
-
-def _pct(values: list[float], q: int) -> float | None:
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    if q == 50:
-        return statistics.median(values)
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 # -- summary ---------------------------------------------------------------------------------------------

@@ -82,7 +82,7 @@ sys.path.insert(0, str(ROOT.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench.common import write_results  # noqa: E402
+from bench.common import latency_summary, percentile, write_results  # noqa: E402
 
 MIB = 2**20
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -101,17 +101,6 @@ def speculative_config(name: str, draft_dir: str, k: int) -> dict | None:
 
 def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def _pct(values, q):
-    values = [v for v in values if v is not None]
-    if not values:
-        return None
-    if len(values) == 1:
-        return values[0]
-    if q == 50:
-        return statistics.median(values)
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 # == vLLM offline engine (decode kind), run in a child process =======================================
@@ -193,7 +182,7 @@ def offline_worker(spec_path: str, out_path: str) -> int:
         result["kv_block_size"] = getattr(cache, "block_size", None)
         timer = StepTimer(llm)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
-        n, new = len(prompts), spec["new_tokens"]
+        new = spec["new_tokens"]
         greedy = dict(temperature=0.0, ignore_eos=True)
         llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][-1][:64])], SamplingParams(max_tokens=4, **greedy),
                      use_tqdm=False)  # warm-up
@@ -222,8 +211,8 @@ def offline_worker(spec_path: str, out_path: str) -> int:
                 "full_s": full_s, "generated_tokens": tokens, **steps,
                 "tokens_per_s": steps["decode_step_tokens"] / steps["decode_step_s"] if steps["decode_step_s"] else None,
                 "e2e_tokens_per_s": tokens / full_s,
-                "ttft_p50_s": _pct(ttfts, 50), "ttft_p90_s": _pct(ttfts, 90),
-                "tpot_p50_s": _pct(tpots, 50), "tpot_p90_s": _pct(tpots, 90),
+                "ttft_p50_s": percentile(ttfts, 50), "ttft_p90_s": percentile(ttfts, 90),
+                "tpot_p50_s": percentile(tpots, 50), "tpot_p90_s": percentile(tpots, 90),
                 "preemptions": delta.get("vllm:num_preemptions", 0),
                 "acceptance_rate": (delta.get("vllm:spec_decode_num_accepted_tokens", 0) / drafts) if drafts else None,
                 "metrics_delta": delta,
@@ -563,16 +552,10 @@ API_KEY = "bench"
 
 
 def vllm_pd_run(requests: list[dict], before: dict, after: dict, kv_bytes: int) -> dict:
-    wall = max(r["done_s"] for r in requests) - min(r["sent_s"] for r in requests)
-    tokens = sum(r["completion_tokens"] or 0 for r in requests)
-    ttfts = [r["ttft_s"] for r in requests if r["ttft_s"] is not None]
-    tpots = [r["tpot_s"] for r in requests if r["tpot_s"] is not None]
     delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0) and k.endswith("_total")}
     drafts = delta.get("vllm:spec_decode_num_draft_tokens_total")
     return {
-        "wall_s": wall, "completion_tokens": tokens, "throughput_tok_s": tokens / wall,
-        "ttft_p50_s": _pct(ttfts, 50), "ttft_p90_s": _pct(ttfts, 90), "ttft_max_s": max(ttfts) if ttfts else None,
-        "tpot_p50_s": _pct(tpots, 50), "tpot_p90_s": _pct(tpots, 90), "e2e_p50_s": _pct([r["e2e_s"] for r in requests], 50),
+        **latency_summary(requests),
         "kv_memory_allowed_bytes": kv_bytes, "kv_bytes_moved": 0, "admission_bytes": 0,
         "preemptions": delta.get("vllm:num_preemptions_total", 0),
         "acceptance_rate": delta.get("vllm:spec_decode_num_accepted_tokens_total", 0) / drafts if drafts else None,
