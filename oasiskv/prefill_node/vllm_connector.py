@@ -227,11 +227,14 @@ class OasisKVConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         for name, cache in kv_caches.items():  # fail at start-up, not in the first request
-            if cache.device.type != "cpu" or cache.dim() != 4 or cache.shape[-1] != 2 * self.layout.head_dim:
-                raise NotImplementedError(
-                    "OasisKVConnector reads vLLM's CPU attention cache ([blocks, kv_heads, block_size, 2*head_dim]); "
-                    f"layer {name} has a {cache.device.type} cache of shape {tuple(cache.shape)}"
-                )
+            self._require_cpu_cache(name, cache)
+
+    def _require_cpu_cache(self, layer_name: str, cache: torch.Tensor) -> None:
+        if cache.device.type != "cpu" or cache.dim() != 4 or cache.shape[-1] != 2 * self.layout.head_dim:
+            raise NotImplementedError(
+                "OasisKVConnector reads vLLM's CPU attention cache ([blocks, kv_heads, block_size, 2*head_dim]); "
+                f"layer {layer_name} has a {cache.device.type} cache of shape {tuple(cache.shape)}"
+            )
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         return
@@ -293,11 +296,10 @@ class OasisKVConnector(KVConnectorBase_V1):
         attention = get_forward_context().no_compile_layers.get(layer_name)
         isa = getattr(attention, "isa", None)
         head_dim = self.layout.head_dim
-        if kv_layer.device.type != "cpu" or isa is None or kv_layer.dim() != 4 or kv_layer.shape[-1] != 2 * head_dim:
-            raise NotImplementedError(
-                f"OasisKVConnector reads vLLM's CPU attention cache ([blocks, kv_heads, block_size, 2*head_dim]); "
-                f"layer {layer_name} has a {kv_layer.device.type} cache of shape {tuple(kv_layer.shape)}"
-            )
+        self._require_cpu_cache(layer_name, kv_layer)
+        if isa is None:
+            raise NotImplementedError(f"layer {layer_name} is not run by vLLM's CPU attention backend (no `isa`), "
+                                      "the only cache layout OasisKVConnector reads")
         key = (isa, kv_layer.dtype, kv_layer.shape[2], head_dim)
         if key not in self._readers:
             self._readers[key] = PromptKVReader(*learn_cpu_block_order(isa, kv_layer.dtype, kv_layer.shape[2], head_dim))
