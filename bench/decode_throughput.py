@@ -69,6 +69,8 @@ from bench.lookahead_accuracy import BLOCK, DenseContext, load_llm  # noqa: E402
 MODES = ("dense", "sparse-current", "lookahead")
 GOAL_SPEEDUP = 2.0
 GOAL_LESS_KV = 6.0
+# DecodeConfig fields a run may override from the command line.
+OVERRIDES = ("max_replace_fraction", "keep_margin_fraction")
 REQUEST_STEP = 64  # tokens between the prompt lengths of a context's requests
 
 
@@ -280,8 +282,7 @@ def run_mode(llm, client, prompts: PromptSet, mode: str, lengths: list[int], arg
     config = DecodeConfig(mode=mode, kv_pool_gb=pool_gb, budget_tokens=args.budget_tokens,
                           num_draft_tokens=args.num_draft_tokens, sink_blocks=args.sink_blocks,
                           window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)),
-                          **({"max_replace_fraction": args.max_replace_fraction}
-                             if getattr(args, "max_replace_fraction", None) is not None else {}))
+                          **{name: getattr(args, name) for name in OVERRIDES if getattr(args, name, None) is not None})
     engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=NgramDrafter())
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     ids = [f"{tag}-{mode}-{i}" for i in range(len(lengths))]
@@ -347,6 +348,8 @@ def main(argv=None) -> int:
     parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
     parser.add_argument("--max-replace-fraction", type=float, default=None,
                         help="budget share one step may replace (default: DecodeConfig's)")
+    parser.add_argument("--keep-margin-fraction", type=float, default=None,
+                        help="selection hysteresis: residents stay within the top budget x (1 + margin) (default: DecodeConfig's)")
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))
@@ -408,7 +411,7 @@ def main(argv=None) -> int:
         store.close()
     results["total_s"] = time.perf_counter() - started
     print_tables(results)
-    results["max_replace_fraction"] = args.max_replace_fraction
+    results["decode_config_overrides"] = {name: getattr(args, name) for name in OVERRIDES}
     write_results(Path(args.out), f"decode_throughput_{args.model}{'_' + args.tag if args.tag else ''}", results, plot=_plot)
     return 0
 

@@ -254,6 +254,10 @@ def run_engine(llm, client, stored: StoredPrompt, config: DecodeConfig, params: 
     return outputs[request_id].token_ids, engine.counters.snapshot(), seconds
 
 
+# DecodeConfig fields a run may override from the command line.
+OVERRIDES = ("max_replace_fraction", "radius_weight", "keep_margin_fraction")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default qwen2.5-coder-0.5b (--quick: smollm2-135m)")
@@ -269,6 +273,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-replace-fraction", type=float, default=None,
                         help="budget share one step may replace (default: DecodeConfig's)")
     parser.add_argument("--radius-weight", type=float, default=None, help="block ranking's radius weight (default: DecodeConfig's)")
+    parser.add_argument("--keep-margin-fraction", type=float, default=None,
+                        help="selection hysteresis: residents stay within the top budget x (1 + margin) (default: DecodeConfig's)")
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--skip-free-running", action="store_true", help="teacher-forced pass only")
     parser.add_argument("--skip-ideal", action="store_true", help="skip the ideal-selection diagnostic")
@@ -303,7 +309,7 @@ def main(argv=None) -> int:
         for mode, budget in runs:
             config = DecodeConfig(mode=mode, budget_tokens=budget or 2048, num_draft_tokens=k, kv_pool_gb=1.0,
                                   sink_blocks=args.sink_blocks, window_blocks=args.window_blocks,
-                                  **{name: getattr(args, name) for name in ("max_replace_fraction", "radius_weight")
+                                  **{name: getattr(args, name) for name in OVERRIDES
                                      if getattr(args, name) is not None})
             config = config.model_copy(update={"kv_pool_gb": pool_gb(layout, config, args.context, args.new_tokens)})
             tag = f"{mode}-{budget}"
@@ -344,7 +350,7 @@ def main(argv=None) -> int:
     results["ideal_selection"] = summarize_ideal(ideal, rows[0], args.context)
     results["total_s"] = time.perf_counter() - started
     print_table(results)
-    results["decode_config_overrides"] = {"max_replace_fraction": args.max_replace_fraction, "radius_weight": args.radius_weight}
+    results["decode_config_overrides"] = {name: getattr(args, name) for name in OVERRIDES}
     write_results(Path(args.out), f"sparse_quality_{args.model}{'_' + args.tag if args.tag else ''}", results, plot=_plot)
     return 0
 
