@@ -28,6 +28,7 @@ from ..models.attention import (
 )
 from .counters import DecodeCounters
 from .lookahead import plan_replacements, recall, score_blocks, top_blocks
+from .triton_attention import sparse_paged_attention
 from .working_set import EMPTY, DevicePool, WorkingSet
 
 
@@ -46,7 +47,7 @@ class StepRequest:
 class SparseAttention:
     def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace: int, miss_policy: str,
                  counters: DecodeCounters, fetch_timeout_s: float, radius_weight: float = RANKING_RADIUS_WEIGHT,
-                 recall_sample_steps: int = 1):
+                 recall_sample_steps: int = 1, keep_margin_fraction: float = 0.0, use_triton: bool = False):
         self.pool = pool
         self.client = client
         self.sliding_window = sliding_window
@@ -57,6 +58,8 @@ class SparseAttention:
         self.fetch_timeout_s = fetch_timeout_s
         self.radius_weight = radius_weight
         self.recall_sample_steps = recall_sample_steps
+        self.keep_margin_fraction = keep_margin_fraction
+        self.use_triton = use_triton
         self.requests: list[StepRequest] = []
         self.batch: AttentionBatch | None = None
         self.step_index = 0
@@ -156,16 +159,32 @@ class SparseAttention:
         num_seqs, kv_heads = units.shape[:2]
         # One index_select each for K and V straight into [B, kv_heads, R * bs, d]: no
         # [.., 2, bs, d] intermediate to split and copy again (several times faster on CPU).
-        units = units.reshape(-1).to(self.pool.units.device)
+        device = self.pool.units.device
+        if self.use_triton:
+            return self._attend_resident_triton(layer, q, units.to(device))
+        units = units.reshape(-1).to(device)
         keys = torch.index_select(self.pool.units[:, 0], 0, units).view(num_seqs, kv_heads, -1, layout.head_dim)
         values = torch.index_select(self.pool.units[:, 1], 0, units).view(num_seqs, kv_heads, -1, layout.head_dim)
-        width = keys.shape[2]
-        positions = torch.full((num_seqs, kv_heads, width), PAD_POSITION, dtype=torch.long)
+        positions = self._key_positions(layer, keys.shape[2])
+        mask = position_mask(self.batch.query_positions, positions, self.sliding_window[layer])
+        out = attend_gathered(batch_queries(q, self.batch), keys, values, mask, self.scale)
+        return unbatch_outputs(out.to(q.dtype), self.batch)
+
+    def _key_positions(self, layer: int, width: int) -> torch.Tensor:
+        """[B, kv_heads, width] position of every resident key row (PAD_POSITION: none)."""
+        positions = torch.full((len(self.requests), self.pool.layout.num_kv_heads, width), PAD_POSITION,
+                               dtype=torch.long)
         for i, req in enumerate(self.requests):
             own = req.ws.key_positions(layer)
             positions[i, :, : own.shape[1]] = own
-        mask = position_mask(self.batch.query_positions, positions, self.sliding_window[layer])
-        out = attend_gathered(batch_queries(q, self.batch), keys, values, mask, self.scale)
+        return positions
+
+    def _attend_resident_triton(self, layer: int, q: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+        """The same attention, reading each unit's K/V in place in the pool (no gathered copy)."""
+        device = units.device
+        positions = self._key_positions(layer, units.shape[2] * self.pool.layout.block_size).to(device)
+        out = sparse_paged_attention(batch_queries(q, self.batch), self.pool.units, units, positions,
+                                     self.batch.query_positions.to(device), self.sliding_window[layer], self.scale)
         return unbatch_outputs(out.to(q.dtype), self.batch)
 
     # -- selection and transfers ---------------------------------------------------------
@@ -179,29 +198,42 @@ class SparseAttention:
         return candidates
 
     def _select_and_fetch(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]], wait: bool) -> None:
+        fetches = []
         for req, query in work:
             scores = score_blocks(query, req.summaries[layer], self._candidates(req), self.radius_weight)
-            wanted = top_blocks(scores, min(req.budget_blocks, req.ws.plan.budget))
+            budget = min(req.budget_blocks, req.ws.plan.budget)
+            # Hysteresis: a resident block leaves only when it drops below the top budget x
+            # (1 + margin), so blocks near the cut-off do not move back and forth every step.
+            keep = top_blocks(scores, budget + int(round(budget * self.keep_margin_fraction)))
+            wanted = keep[:, :budget]
             cap = None if wait else self.max_replace
-            plan = plan_replacements(req.ws, layer, wanted, self.step_index, cap)
-            if len(plan) == 0:
-                continue
-            self._fetch(req.ws, layer, plan)
-            if wait:
-                self._await_layer(req.ws, layer, on_demand=True)
+            plan = plan_replacements(req.ws, layer, wanted, self.step_index, cap, keep)
+            if len(plan):
+                fetches.append((req.ws, plan))
+        if not fetches:
+            return
+        self._fetch(layer, fetches)
+        if wait:
+            for ws, _ in fetches:
+                self._await_layer(ws, layer, on_demand=True)
 
-    def _fetch(self, ws: WorkingSet, layer: int, plan) -> None:
-        rows = ws.rows[torch.tensor(plan.row_indices)]
-        heads = torch.tensor(plan.heads)
-        slots = self.pool.unit_ids(rows, layer, heads)
-        handle = self.client.read_blocks(ws.request_id, layer, heads.numpy(), plan.blocks, self.pool.tensor, slots.numpy())
-        ws.in_flight[layer, heads, torch.tensor(plan.row_indices)] = True
-        previous = ws.pending[layer]
-        if previous is not None:  # at most one transfer per layer in flight: finish the older one
-            previous.wait(self.fetch_timeout_s)
-        ws.pending[layer] = handle
-        self.counters.blocks_fetched += len(plan)
-        self.counters.bytes_fetched += len(plan) * self.pool.layout.unit_bytes
+    def _fetch(self, layer: int, fetches: list[tuple[WorkingSet, object]]) -> None:
+        """Issue one layer's fetches of every request as one I/O job."""
+        reads = []
+        for ws, plan in fetches:
+            row_indices = torch.tensor(plan.row_indices)
+            heads = torch.tensor(plan.heads)
+            slots = self.pool.unit_ids(ws.rows[row_indices], layer, heads)
+            reads.append((ws.request_id, layer, heads.numpy(), plan.blocks, self.pool.tensor, slots.numpy()))
+            ws.in_flight[layer, heads, row_indices] = True
+            previous = ws.pending[layer]
+            if previous is not None:  # at most one transfer per layer in flight: finish the older one
+                previous.wait(self.fetch_timeout_s)
+            self.counters.blocks_fetched += len(plan)
+            self.counters.bytes_fetched += len(plan) * self.pool.layout.unit_bytes
+        handle = self.client.read_many(reads)
+        for ws, _ in fetches:
+            ws.pending[layer] = handle
 
     def _await_layer(self, ws: WorkingSet, layer: int, on_demand: bool = False) -> None:
         handle = ws.pending[layer]

@@ -20,6 +20,11 @@ class DecodeConfig(BaseModel):
     num_draft_tokens: int = Field(3, ge=0, le=15, description="k: drafts verified per step (0 = plain decoding)")
     drafter: str = Field("ngram", description="'ngram' (prompt lookup) or a draft model (registry name / path)")
     max_replace_fraction: float = Field(0.05, gt=0, le=1, description="budget share one step may replace")
+    keep_margin_fraction: float = Field(
+        0.0, ge=0, le=4,
+        description="a resident block stays while it ranks within the top budget x (1 + margin); "
+        "higher margins replace fewer blocks per step (less KV moved)",
+    )
     radius_weight: float = Field(
         RANKING_RADIUS_WEIGHT, ge=0, le=1,
         description="blocks are ranked by q.center + w |q|.radius of their min/max key summary (1: the upper bound)",
@@ -28,6 +33,10 @@ class DecodeConfig(BaseModel):
         8, ge=1, description="the prediction-recall counter scores the current query every Nth step (it cost 13% of a step)"
     )
     miss_policy: Literal["wait", "skip"] = "wait"
+    attention_kernel: Literal["auto", "torch", "triton"] = Field(
+        "auto", description="sparse attention: 'triton' reads K/V from the pool by unit id (CUDA, or TRITON_INTERPRET=1); "
+        "'torch' gathers them first; 'auto' = triton on CUDA when it is installed, else torch",
+    )
     max_num_seqs: int = Field(32, ge=1)
     block_size: int = Field(16, ge=1)
     device: str = "cpu"
@@ -37,6 +46,14 @@ class DecodeConfig(BaseModel):
     def _check(self) -> "DecodeConfig":
         if self.budget_tokens % self.block_size:
             raise ValueError(f"budget_tokens ({self.budget_tokens}) must be a multiple of block_size ({self.block_size})")
+        if self.attention_kernel == "triton":
+            from .triton_attention import triton_available
+
+            if not triton_available(self.device):
+                raise ValueError(
+                    f"attention_kernel='triton' needs Triton installed and a CUDA device (or TRITON_INTERPRET=1), "
+                    f"device is {self.device!r}; use 'auto' or 'torch'"
+                )
         if self.num_draft_tokens >= self.block_size:
             raise ValueError("num_draft_tokens must be smaller than block_size (drafts spill into one block at most)")
         return self
@@ -44,6 +61,18 @@ class DecodeConfig(BaseModel):
     @property
     def budget_blocks(self) -> int:
         return self.budget_tokens // self.block_size
+
+    @property
+    def uses_triton_attention(self) -> bool:
+        if self.attention_kernel == "auto":
+            from .triton_attention import triton_available
+
+            return self.device.startswith("cuda") and triton_available(self.device)
+        return self.attention_kernel == "triton"
+
+    @property
+    def keep_blocks(self) -> int:
+        return self.budget_blocks + int(round(self.budget_blocks * self.keep_margin_fraction))
 
     @property
     def max_replace_blocks(self) -> int:
