@@ -70,7 +70,7 @@ MODES = ("dense", "sparse-current", "lookahead")
 GOAL_SPEEDUP = 2.0
 GOAL_LESS_KV = 6.0
 # DecodeConfig fields a run may override from the command line.
-OVERRIDES = ("max_replace_fraction", "keep_margin_fraction")
+OVERRIDES = ("max_replace_fraction",)
 REQUEST_STEP = 64  # tokens between the prompt lengths of a context's requests
 
 
@@ -348,8 +348,6 @@ def main(argv=None) -> int:
     parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
     parser.add_argument("--max-replace-fraction", type=float, default=None,
                         help="budget share one step may replace (default: DecodeConfig's)")
-    parser.add_argument("--keep-margin-fraction", type=float, default=None,
-                        help="selection hysteresis: residents stay within the top budget x (1 + margin) (default: DecodeConfig's)")
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))

@@ -255,7 +255,7 @@ def run_engine(llm, client, stored: StoredPrompt, config: DecodeConfig, params: 
 
 
 # DecodeConfig fields a run may override from the command line.
-OVERRIDES = ("max_replace_fraction", "radius_weight", "keep_margin_fraction")
+OVERRIDES = ("max_replace_fraction", "radius_weight")
 
 
 def main(argv=None) -> int:
@@ -273,8 +273,6 @@ def main(argv=None) -> int:
     parser.add_argument("--max-replace-fraction", type=float, default=None,
                         help="budget share one step may replace (default: DecodeConfig's)")
     parser.add_argument("--radius-weight", type=float, default=None, help="block ranking's radius weight (default: DecodeConfig's)")
-    parser.add_argument("--keep-margin-fraction", type=float, default=None,
-                        help="selection hysteresis: residents stay within the top budget x (1 + margin) (default: DecodeConfig's)")
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--skip-free-running", action="store_true", help="teacher-forced pass only")
     parser.add_argument("--skip-ideal", action="store_true", help="skip the ideal-selection diagnostic")

@@ -47,7 +47,7 @@ class StepRequest:
 class SparseAttention:
     def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace: int, miss_policy: str,
                  counters: DecodeCounters, fetch_timeout_s: float, radius_weight: float = RANKING_RADIUS_WEIGHT,
-                 recall_sample_steps: int = 1, keep_margin_fraction: float = 0.0, use_triton: bool = False):
+                 recall_sample_steps: int = 1, use_triton: bool = False):
         self.pool = pool
         self.client = client
         self.sliding_window = sliding_window
@@ -58,7 +58,6 @@ class SparseAttention:
         self.fetch_timeout_s = fetch_timeout_s
         self.radius_weight = radius_weight
         self.recall_sample_steps = recall_sample_steps
-        self.keep_margin_fraction = keep_margin_fraction
         self.use_triton = use_triton
         self.requests: list[StepRequest] = []
         self.batch: AttentionBatch | None = None
@@ -201,13 +200,9 @@ class SparseAttention:
         fetches = []
         for req, query in work:
             scores = score_blocks(query, req.summaries[layer], self._candidates(req), self.radius_weight)
-            budget = min(req.budget_blocks, req.ws.plan.budget)
-            # Hysteresis: a resident block leaves only when it drops below the top budget x
-            # (1 + margin), so blocks near the cut-off do not move back and forth every step.
-            keep = top_blocks(scores, budget + int(round(budget * self.keep_margin_fraction)))
-            wanted = keep[:, :budget]
+            wanted = top_blocks(scores, min(req.budget_blocks, req.ws.plan.budget))
             cap = None if wait else self.max_replace
-            plan = plan_replacements(req.ws, layer, wanted, self.step_index, cap, keep)
+            plan = plan_replacements(req.ws, layer, wanted, self.step_index, cap)
             if len(plan):
                 fetches.append((req.ws, plan))
         if not fetches:

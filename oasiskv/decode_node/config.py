@@ -20,11 +20,6 @@ class DecodeConfig(BaseModel):
     num_draft_tokens: int = Field(3, ge=0, le=15, description="k: drafts verified per step (0 = plain decoding)")
     drafter: str = Field("ngram", description="'ngram' (prompt lookup) or a draft model (registry name / path)")
     max_replace_fraction: float = Field(0.05, gt=0, le=1, description="budget share one step may replace")
-    keep_margin_fraction: float = Field(
-        0.0, ge=0, le=4,
-        description="a resident block stays while it ranks within the top budget x (1 + margin); "
-        "higher margins replace fewer blocks per step (less KV moved)",
-    )
     radius_weight: float = Field(
         RANKING_RADIUS_WEIGHT, ge=0, le=1,
         description="blocks are ranked by q.center + w |q|.radius of their min/max key summary (1: the upper bound)",
@@ -69,10 +64,6 @@ class DecodeConfig(BaseModel):
 
             return self.device.startswith("cuda") and triton_available(self.device)
         return self.attention_kernel == "triton"
-
-    @property
-    def keep_blocks(self) -> int:
-        return self.budget_blocks + int(round(self.budget_blocks * self.keep_margin_fraction))
 
     @property
     def max_replace_blocks(self) -> int:

@@ -83,7 +83,7 @@ class DecodeEngine:
         self.backend = SparseAttention(
             self.pool, self.client, mc.sliding_window, mc.softmax_scale, self.config.max_replace_blocks,
             self.config.miss_policy, self.counters, self.config.fetch_timeout_s, self.config.radius_weight,
-            self.config.recall_sample_steps, self.config.keep_margin_fraction, self.config.uses_triton_attention,
+            self.config.recall_sample_steps, self.config.uses_triton_attention,
         )
         self.drafter = drafter if drafter is not None else NgramDrafter()
         self.eos_token_ids = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))

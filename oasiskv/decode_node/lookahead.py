@@ -67,34 +67,31 @@ def _membership(values: torch.Tensor, of: torch.Tensor, span: int) -> torch.Tens
 
 
 def plan_replacements(
-    ws: WorkingSet, layer: int, wanted: torch.Tensor, step: int, max_replace: int | None,
-    keep: torch.Tensor | None = None,
+    ws: WorkingSet, layer: int, wanted: torch.Tensor, step: int, max_replace: int | None
 ) -> FetchPlan:
     """Make the budget rows of `layer` converge to `wanted` ([kv_heads, k], best first).
 
-    Resident blocks in `keep` ([kv_heads, m], default `wanted`; a superset of it) stay and are
-    marked selected at `step`. Missing wanted blocks (best first, at most `max_replace` >= 0 per
-    head) take the rows of empty or least-recently-selected blocks outside `keep` (empty rows
-    first, then by last selection, ties by row); when there are fewer such rows, the best missing
-    blocks get them. The plan lists head by head, best first within a head. All heads at once:
-    no Python loop over heads.
+    Resident wanted blocks are marked selected at `step`; missing ones (best first, at most
+    `max_replace` >= 0 per head) take the rows of empty or least-recently-selected unwanted
+    blocks (empty rows first, then by last selection, ties by row), never a wanted block's row.
+    The plan lists head by head, best first within a head. All heads at once: no Python loop
+    over heads.
     """
     heads = wanted.shape[0]
     budget = ws.budget_slice
     if heads == 0 or wanted.shape[1] == 0:
         return FetchPlan([], [], [])
-    keep = wanted if keep is None else keep
     resident = ws.blocks[layer, :heads, budget]  # [H, B] view
     selected = ws.last_selected[layer, :heads, budget]  # [H, B] view, written through
     width = resident.shape[1]
-    low, high = torch.aminmax(torch.cat((keep.reshape(-1).long(), wanted.reshape(-1).long(), resident.reshape(-1))))
+    low, high = torch.aminmax(torch.cat((wanted.reshape(-1).long(), resident.reshape(-1))))
     low, span = int(low), int(high) - int(low) + 1
     resident_ids, wanted_ids = resident - low, wanted.long() - low  # in [0, span)
-    hit = _membership(resident_ids, keep.long() - low, span) & (resident != EMPTY)
+    hit = _membership(resident_ids, wanted_ids, span) & (resident != EMPTY)
     selected[hit] = step
     missing = ~_membership(wanted_ids, resident_ids, span)  # [H, k], best first
     rank = missing.cumsum(dim=-1) - 1  # position among the head's missing blocks
-    free_rows = width - hit.sum(dim=-1, keepdim=True)  # [H, 1]: rows a missing block may take
+    free_rows = width - hit.sum(dim=-1, keepdim=True)  # [H, 1]: rows not holding a wanted block
     limit = free_rows if max_replace is None else free_rows.clamp(max=max_replace)
     take = missing & (rank < limit)
     if not bool(take.any()):

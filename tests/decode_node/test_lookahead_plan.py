@@ -111,22 +111,3 @@ def test_plan_prefers_empty_then_least_recently_selected_rows():
     fetch = plan_replacements(ws, 0, torch.tensor([[60, 61], [70, 71]]), 8, max_replace=1)
     assert fetch.blocks == [60, 70]
 
-
-def test_blocks_within_the_keep_margin_stay_resident():
-    """Hysteresis: a resident block ranked just below the budget (still within `keep`) is not
-    replaced; only rows outside `keep` (or empty) take the missing wanted blocks."""
-    plan = RowPlan(sinks=0, ring=1, budget=3)
-    ws = WorkingSet("r", torch.arange(plan.total), plan, 1, 1, 16)
-    ws.blocks[0, 0, 1:] = torch.tensor([5, 6, 7])
-    ws.last_selected[0, 0, 1:] = torch.tensor([1, 2, 3])
-    wanted = torch.tensor([[5, 8, 9]])  # 6 and 7 fell out of the top 3
-    keep = torch.tensor([[5, 8, 9, 7]])  # ... but 7 is still within the margin
-    fetch = plan_replacements(ws, 0, wanted, 4, max_replace=None, keep=keep)
-    assert fetch.blocks == [8]  # one free row (6's): 9 waits
-    assert ws.blocks[0, 0, 1:].tolist() == [5, 8, 7]
-    assert ws.last_selected[0, 0, 1:].tolist() == [4, 4, 4]
-    # Without the margin, both 6 and 7 go.
-    ws.blocks[0, 0, 1:] = torch.tensor([5, 6, 7])
-    fetch = plan_replacements(ws, 0, wanted, 5, max_replace=None)
-    assert sorted(fetch.blocks) == [8, 9]
-    assert sorted(ws.blocks[0, 0, 1:].tolist()) == [5, 8, 9]
