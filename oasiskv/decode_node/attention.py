@@ -27,7 +27,7 @@ from ..models.attention import (
     unbatch_outputs,
 )
 from .counters import DecodeCounters
-from .lookahead import plan_replacements, recall, score_blocks, top_blocks
+from .lookahead import plan_replacements, recall, replacement_cap, select_blocks
 from .triton_attention import sparse_paged_attention
 from .working_set import EMPTY, DevicePool, WorkingSet
 
@@ -45,14 +45,14 @@ class StepRequest:
 
 
 class SparseAttention:
-    def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace: int, miss_policy: str,
+    def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace_fraction: float, miss_policy: str,
                  counters: DecodeCounters, fetch_timeout_s: float, radius_weight: float = RANKING_RADIUS_WEIGHT,
                  recall_sample_steps: int = 1, use_triton: bool = False):
         self.pool = pool
         self.client = client
         self.sliding_window = sliding_window
         self.scale = scale
-        self.max_replace = max_replace
+        self.max_replace_fraction = max_replace_fraction
         self.miss_policy = miss_policy
         self.counters = counters
         self.fetch_timeout_s = fetch_timeout_s
@@ -187,22 +187,25 @@ class SparseAttention:
         return unbatch_outputs(out.to(q.dtype), self.batch)
 
     # -- selection and transfers ---------------------------------------------------------
-    def _candidates(self, req: StepRequest) -> torch.Tensor:
-        """Complete blocks that are neither sinks nor in the window."""
-        num_blocks = req.summaries.shape[2]
+    def _candidate_range(self, req: StepRequest) -> tuple[int, int]:
+        """Complete blocks that are neither sinks nor in the window: first..end-1."""
         tail = int(req.positions[0]) // self.pool.layout.block_size
         window_start = req.ws.window_blocks(tail).start
-        candidates = torch.zeros(num_blocks, dtype=torch.bool)
-        candidates[req.ws.plan.sinks : min(window_start, num_blocks)] = True
-        return candidates
+        return req.ws.plan.sinks, min(window_start, req.summaries.shape[2])
+
+    def _top_blocks(self, req: StepRequest, layer: int, query: torch.Tensor) -> torch.Tensor:
+        first, end = self._candidate_range(req)
+        budget = min(req.budget_blocks, req.ws.plan.budget)
+        return select_blocks(query, req.summaries[layer], first, end, budget, self.radius_weight)
 
     def _select_and_fetch(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]], wait: bool) -> None:
         fetches = []
         for req, query in work:
-            scores = score_blocks(query, req.summaries[layer], self._candidates(req), self.radius_weight)
-            wanted = top_blocks(scores, min(req.budget_blocks, req.ws.plan.budget))
-            cap = None if wait else self.max_replace
-            plan = plan_replacements(req.ws, layer, wanted, self.step_index, cap)
+            budget = min(req.budget_blocks, req.ws.plan.budget)
+            cap = None if wait else replacement_cap(req.ws, layer, budget * self.max_replace_fraction)
+            if cap == 0:
+                continue  # nothing may move this step: the selection would be thrown away
+            plan = plan_replacements(req.ws, layer, self._top_blocks(req, layer, query), self.step_index, cap)
             if len(plan):
                 fetches.append((req.ws, plan))
         if not fetches:
@@ -253,8 +256,7 @@ class SparseAttention:
 
     def _track_recall(self, layer: int, req: StepRequest, current: torch.Tensor) -> None:
         """How many of the current query's top-K blocks are resident (were predicted)."""
-        scores = score_blocks(current, req.summaries[layer], self._candidates(req), self.radius_weight)
-        actual = top_blocks(scores, min(req.budget_blocks, req.ws.plan.budget))
+        actual = self._top_blocks(req, layer, current)
         if actual.numel():
             resident = req.ws.blocks[layer, :, req.ws.budget_slice]
             self.counters.add_recall(recall(resident, actual))

@@ -19,7 +19,10 @@ class DecodeConfig(BaseModel):
     window_blocks: int = Field(4, ge=1, description="most recent blocks, always resident (local window)")
     num_draft_tokens: int = Field(3, ge=0, le=15, description="k: drafts verified per step (0 = plain decoding)")
     drafter: str = Field("ngram", description="'ngram' (prompt lookup) or a draft model (registry name / path)")
-    max_replace_fraction: float = Field(0.05, gt=0, le=1, description="budget share one step may replace")
+    max_replace_fraction: float = Field(
+        0.05, gt=0, le=1,
+        description="budget share each layer and KV head may replace per step, on average (fractions of a block carry over)",
+    )
     radius_weight: float = Field(
         RANKING_RADIUS_WEIGHT, ge=0, le=1,
         description="blocks are ranked by q.center + w |q|.radius of their min/max key summary (1: the upper bound)",
@@ -64,7 +67,3 @@ class DecodeConfig(BaseModel):
 
             return self.device.startswith("cuda") and triton_available(self.device)
         return self.attention_kernel == "triton"
-
-    @property
-    def max_replace_blocks(self) -> int:
-        return max(1, int(self.budget_blocks * self.max_replace_fraction))

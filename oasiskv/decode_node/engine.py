@@ -81,7 +81,7 @@ class DecodeEngine:
         self.counters = DecodeCounters()
         mc = model.config
         self.backend = SparseAttention(
-            self.pool, self.client, mc.sliding_window, mc.softmax_scale, self.config.max_replace_blocks,
+            self.pool, self.client, mc.sliding_window, mc.softmax_scale, self.config.max_replace_fraction,
             self.config.miss_policy, self.counters, self.config.fetch_timeout_s, self.config.radius_weight,
             self.config.recall_sample_steps, self.config.uses_triton_attention,
         )

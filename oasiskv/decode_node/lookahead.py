@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kvstore import RANKING_RADIUS_WEIGHT, block_scores
@@ -35,19 +36,34 @@ def score_blocks(queries: torch.Tensor, summaries: torch.Tensor, candidates: tor
     `block_scores(queries, summaries, radius_weight).mean(0)`: the score is linear in the
     group-summed q and |q|, so the rows are averaged first and the summaries are read once, as
     lo . (q - w|q|)/2 + hi . (q + w|q|)/2."""
-    kv_heads, _, two, head_dim = summaries.shape
+    return _mean_scores(queries, summaries, radius_weight).masked_fill(~candidates[None, :], float("-inf"))
+
+
+def select_blocks(queries: torch.Tensor, summaries: torch.Tensor, first: int, end: int, k: int,
+                  radius_weight: float = RANKING_RADIUS_WEIGHT) -> torch.Tensor:
+    """The top-k blocks ([kv_heads, k'], best first) among the candidates first..end-1, ranked as
+    `score_blocks` ranks them. The decode node's candidates are always one run of blocks (after
+    the sinks, before the window), so only that run is scored: no mask, no -inf, no count."""
+    k = min(k, end - first)
+    if k <= 0:
+        return torch.empty((summaries.shape[0], 0), dtype=torch.long)
+    scores = _mean_scores(queries, summaries[:, first:end], radius_weight)
+    return torch.topk(scores, k, dim=-1).indices + first
+
+
+def _mean_scores(queries: torch.Tensor, summaries: torch.Tensor, radius_weight: float) -> torch.Tensor:
+    kv_heads, num_blocks, two, head_dim = summaries.shape
     if two != 2 or queries.shape[-1] != head_dim or queries.shape[-2] % kv_heads:
         return block_scores(queries, summaries, radius_weight).mean(dim=0)  # raises with the shapes
     q = queries.float().reshape(queries.shape[0], kv_heads, -1, head_dim)
     q_sum = q.sum(dim=2).mean(dim=0)  # [kv_heads, d]
     q_abs = q.abs().sum(dim=2).mean(dim=0) * radius_weight
     weights = torch.cat(((q_sum - q_abs) * 0.5, (q_sum + q_abs) * 0.5), dim=1)  # [kv_heads, 2d], lo then hi
-    flat = summaries.float().reshape(kv_heads, summaries.shape[1], 2 * head_dim)
+    flat = summaries.float().reshape(kv_heads, num_blocks, 2 * head_dim)
     # One BLAS matrix-vector product per KV head. A broadcast multiply-and-sum is an elementwise
     # op that torch splits across OpenMP threads: waking them cost 7 ms per call on this busy
     # 2-core machine (passive waiting), against 0.01 ms for `mv`; bmm was 4x slower than `mv`.
-    scores = torch.stack([torch.mv(flat[head], weights[head]) for head in range(kv_heads)])
-    return scores.masked_fill(~candidates[None, :], float("-inf"))
+    return torch.stack([torch.mv(flat[head], weights[head]) for head in range(kv_heads)])
 
 
 def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -59,11 +75,23 @@ def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, dim=-1).indices
 
 
-def _membership(values: torch.Tensor, of: torch.Tensor, span: int) -> torch.Tensor:
+def _membership(values: np.ndarray, of: np.ndarray, span: int) -> np.ndarray:
     """Per row (head): which of `values` ([H, n], in [0, span)) occur in `of` ([H, m], same range).
-    A [H, span] lookup table: linear in the sizes, unlike `isin`'s sort."""
-    table = torch.zeros((of.shape[0], span), dtype=torch.bool, device=of.device)
-    return table.scatter_(1, of, True).gather(1, values)
+    A [H, span] lookup table: linear in the sizes, unlike a sort."""
+    table = np.zeros((of.shape[0], span), dtype=bool)
+    heads = np.arange(of.shape[0])[:, None]
+    table[heads, of] = True
+    return table[heads, values]
+
+
+def replacement_cap(ws: WorkingSet, layer: int, blocks_per_step: float) -> int:
+    """How many blocks per KV head `layer` may replace this step: `blocks_per_step` on average,
+    the fraction left over carried to the next step (0.5 a step gives 0, 1, 0, 1, ...), so
+    a rate below one block a step is a rate, not a floor of one."""
+    credit = ws.replace_credit[layer] + blocks_per_step
+    cap = int(credit)
+    ws.replace_credit[layer] = credit - cap
+    return cap
 
 
 def plan_replacements(
@@ -79,33 +107,37 @@ def plan_replacements(
     """
     heads = wanted.shape[0]
     budget = ws.budget_slice
-    if heads == 0 or wanted.shape[1] == 0:
+    if heads == 0 or wanted.shape[1] == 0 or budget.stop == budget.start:
         return FetchPlan([], [], [])
-    resident = ws.blocks[layer, :heads, budget]  # [H, B] view
-    selected = ws.last_selected[layer, :heads, budget]  # [H, B] view, written through
+    # numpy on views of the (CPU) bookkeeping tensors: some 40 operations on [heads, budget]
+    # arrays, each ~1 us in numpy against ~5-10 us of dispatch in torch, once per layer and request.
+    resident = ws.blocks.numpy()[layer, :heads, budget]  # [H, B] view
+    selected = ws.last_selected.numpy()[layer, :heads, budget]  # [H, B] view, written through
+    want = wanted.numpy() if isinstance(wanted, torch.Tensor) else np.asarray(wanted)
+    want = want.astype(np.int64, copy=False)
     width = resident.shape[1]
-    low, high = torch.aminmax(torch.cat((wanted.reshape(-1).long(), resident.reshape(-1))))
-    low, span = int(low), int(high) - int(low) + 1
-    resident_ids, wanted_ids = resident - low, wanted.long() - low  # in [0, span)
+    low = min(int(want.min()), int(resident.min()))
+    span = max(int(want.max()), int(resident.max())) - low + 1
+    resident_ids, wanted_ids = resident - low, want - low  # in [0, span)
     hit = _membership(resident_ids, wanted_ids, span) & (resident != EMPTY)
     selected[hit] = step
     missing = ~_membership(wanted_ids, resident_ids, span)  # [H, k], best first
-    rank = missing.cumsum(dim=-1) - 1  # position among the head's missing blocks
-    free_rows = width - hit.sum(dim=-1, keepdim=True)  # [H, 1]: rows not holding a wanted block
-    limit = free_rows if max_replace is None else free_rows.clamp(max=max_replace)
+    rank = missing.cumsum(axis=-1) - 1  # position among the head's missing blocks
+    free_rows = width - hit.sum(axis=-1, keepdims=True)  # [H, 1]: rows not holding a wanted block
+    limit = free_rows if max_replace is None else np.minimum(free_rows, max_replace)
     take = missing & (rank < limit)
-    if not bool(take.any()):
+    if not take.any():
         return FetchPlan([], [], [])
     # Free rows first (never used), then the least recently selected of the unwanted.
-    recency = selected.clone()
+    recency = selected.copy()
     recency[resident == EMPTY] = -1
-    recency[hit] = torch.iinfo(torch.long).max
-    order = torch.argsort(recency, dim=-1, stable=True)  # [H, B] row offsets, evict first
-    head_ids, slots = take.nonzero(as_tuple=True)  # head-major, best first within a head
+    recency[hit] = np.iinfo(np.int64).max
+    order = np.argsort(recency, axis=-1, kind="stable")  # [H, B] row offsets, evict first
+    head_ids, slots = take.nonzero()  # head-major, best first within a head
     rows = budget.start + order[head_ids, rank[head_ids, slots]]
-    blocks = wanted[head_ids, slots]
-    ws.blocks[layer, head_ids, rows] = blocks.to(ws.blocks.dtype)
-    ws.last_selected[layer, head_ids, rows] = step
+    blocks = want[head_ids, slots]
+    ws.blocks.numpy()[layer, head_ids, rows] = blocks
+    ws.last_selected.numpy()[layer, head_ids, rows] = step
     return FetchPlan(head_ids.tolist(), blocks.tolist(), rows.tolist())
 
 

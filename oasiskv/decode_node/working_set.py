@@ -92,6 +92,8 @@ class WorkingSet:
     # Rows whose block is still in flight, per layer (cleared when the layer's fetch completes).
     in_flight: torch.Tensor = field(init=False)
     pending: list = field(init=False)  # per layer: TransferHandle | None
+    # Per layer: the fraction of a block replacement not yet spent (see lookahead.replacement_cap).
+    replace_credit: list = field(init=False)
 
     def __post_init__(self):
         shape = (self.num_layers, self.num_kv_heads, self.plan.total)
@@ -99,6 +101,7 @@ class WorkingSet:
         self.last_selected = torch.zeros(shape, dtype=torch.long)
         self.in_flight = torch.zeros(shape, dtype=torch.bool)
         self.pending = [None] * self.num_layers
+        self.replace_credit = [0.0] * self.num_layers
 
     # -- roles ---------------------------------------------------------------------------
     @property

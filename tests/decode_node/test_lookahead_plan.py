@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oasiskv.decode_node.lookahead import FetchPlan, plan_replacements
+from oasiskv.decode_node.lookahead import FetchPlan, plan_replacements, replacement_cap
 from oasiskv.decode_node.working_set import EMPTY, RowPlan, WorkingSet
 
 
@@ -111,3 +111,12 @@ def test_plan_prefers_empty_then_least_recently_selected_rows():
     fetch = plan_replacements(ws, 0, torch.tensor([[60, 61], [70, 71]]), 8, max_replace=1)
     assert fetch.blocks == [60, 70]
 
+
+
+def test_replacement_cap_is_a_rate_with_the_fraction_carried_over():
+    plan = RowPlan(sinks=0, ring=1, budget=4)
+    ws = WorkingSet("r", torch.arange(plan.total), plan, 2, 1, 16)
+    assert [replacement_cap(ws, 0, 0.64) for _ in range(6)] == [0, 1, 0, 1, 1, 0]
+    assert [replacement_cap(ws, 1, 6.4) for _ in range(5)] == [6, 6, 7, 6, 7]  # layers keep their own credit
+    total = sum(replacement_cap(ws, 0, 1.28) for _ in range(100))
+    assert total in (127, 128)
