@@ -45,11 +45,13 @@ def _interpreting() -> bool:
 
 def triton_available(device: torch.device | str) -> bool:
     """Whether `sparse_paged_attention` can run for tensors on `device`: Triton imports, and
-    either the device is a GPU or Triton's interpreter is on (TRITON_INTERPRET=1, which must be
-    set before the process first imports triton; see `_kernel`)."""
+    either the device is a GPU that torch can use or Triton's interpreter is on
+    (TRITON_INTERPRET=1, which must be set before the process first imports triton; see `_kernel`)."""
     if not _import_triton():
         return False
-    return torch.device(device).type == "cuda" or _interpreting()
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_available()
+    return _interpreting()
 
 
 def _attention_program(
