@@ -22,8 +22,9 @@ Setup (not timed as decode):
 Measured per mode (the decode engine's own counters plus timers around its parts):
 - generated tokens/s = decode-generated tokens (the prefill's first token excluded) / wall
   time of `run_to_completion` for all N requests (admissions, transfers, steps);
-- KV bytes fetched per token and per request: admission (the whole KV for `dense`, the first
-  working set for the sparse modes) + prefetch/on-demand fetches during decode;
+- bytes moved from the store per token and per request: admission (the whole KV for `dense`,
+  the first working set and every block's key summary for the sparse modes) +
+  prefetch/on-demand fetches during decode;
 - decode-node KV memory: peak of pool rows in use x row_bytes (and the pool size);
 - draft acceptance rate (n-gram drafter, k drafts), prediction recall (sparse modes);
 - time breakdown: admission, model forward (and inside it: block selection + fetch issue,
@@ -299,7 +300,8 @@ def run_mode(llm, client, prompts: PromptSet, mode: str, lengths: list[int], arg
         release_engine(engine, client)
     c = engine.counters.snapshot()
     wall = timers.t["wall"]
-    moved = c["bytes_fetched"] + c["admission_bytes_fetched"]
+    # Everything the store sends the decode node counts, the key summaries of the sparse modes too.
+    moved = c["bytes_fetched"] + c["admission_bytes_fetched"] + c["summary_bytes_fetched"]
     layout = engine.layout
     return {
         "mode": mode, "requests": len(lengths), "wall_s": wall, "store_write_s": write_s,
@@ -308,6 +310,7 @@ def run_mode(llm, client, prompts: PromptSet, mode: str, lengths: list[int], arg
         "kv_bytes_moved": moved, "kv_bytes_per_request": moved / len(lengths),
         "kv_bytes_per_token": moved / c["generated_tokens"],
         "admission_bytes": c["admission_bytes_fetched"], "decode_fetch_bytes": c["bytes_fetched"],
+        "summary_bytes": c["summary_bytes_fetched"],
         "write_back_bytes": c["blocks_written_back"] * layout.num_layers * layout.num_kv_heads * layout.unit_bytes,
         "pool_rows": engine.pool.num_rows, "row_bytes": engine.pool.row_bytes,
         "pool_bytes": engine.pool.num_rows * engine.pool.row_bytes,
@@ -439,13 +442,15 @@ def print_tables(results: dict) -> None:
     for ctx in results["contexts"]:
         print(f"\ncontext {ctx['context']} (prompts {ctx['prompt_lengths'][-1]}..{ctx['prompt_lengths'][0]}), "
               f"pool {ctx['kv_pool_gb'] * 1024:.0f} MiB")
-        print(f"{'mode':<15}{'tok/s':>8}{'x dense':>8}{'KV MiB/req':>11}{'x less':>8}{'admit MiB/req':>14}"
+        print(f"{'mode':<15}{'tok/s':>8}{'x dense':>8}{'moved MiB/req':>14}{'x less':>8}{'admit MiB/req':>14}"
+              f"{'summ MiB/req':>13}"
               f"{'decode KiB/tok':>15}{'KiB/tok':>9}{'peak KV MiB':>12}"
               f"{'accept':>8}{'recall':>8}{'steps':>7}{'batch':>7}{'same out':>9}")
         for mode, r in ctx["modes"].items():
             print(f"{mode:<15}{r['tokens_per_s']:>8.2f}{r.get('speedup_vs_dense', float('nan')):>8.2f}"
-                  f"{r['kv_bytes_per_request'] / mib:>11.1f}{_num(r.get('less_kv_vs_dense')):>8}"
-                  f"{r['admission_bytes'] / r['requests'] / mib:>14.1f}{r['decode_fetch_bytes'] / r['generated_tokens'] / 1024:>15.0f}"
+                  f"{r['kv_bytes_per_request'] / mib:>14.1f}{_num(r.get('less_kv_vs_dense')):>8}"
+                  f"{r['admission_bytes'] / r['requests'] / mib:>14.1f}{r.get('summary_bytes', 0) / r['requests'] / mib:>13.1f}"
+                  f"{r['decode_fetch_bytes'] / r['generated_tokens'] / 1024:>15.0f}"
                   f"{r['kv_bytes_per_token'] / 1024:>9.0f}{r['peak_kv_bytes'] / mib:>12.0f}{_pct(r['acceptance_rate']):>8}"
                   f"{_pct(r['prediction_recall']):>8}{r['steps']:>7}{r['mean_batch']:>7.1f}"
                   f"{str(r.get('outputs_identical_to_dense', '-')) + '/' + str(r['requests']):>9}")
@@ -479,9 +484,9 @@ def _plot(results: dict, axes) -> None:
         xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(contexts))]
         rows = [c["modes"][mode] for c in contexts]
         ax_tps.bar(xs, [r["tokens_per_s"] for r in rows], width, label=mode, color=f"C{i}")
-        admission = [r["admission_bytes"] / r["requests"] / 2**20 for r in rows]
+        admission = [(r["admission_bytes"] + r.get("summary_bytes", 0)) / r["requests"] / 2**20 for r in rows]
         decode = [r["decode_fetch_bytes"] / r["requests"] / 2**20 for r in rows]
-        ax_kv.bar(xs, admission, width, color=f"C{i}", label=f"{mode}: admission")
+        ax_kv.bar(xs, admission, width, color=f"C{i}", label=f"{mode}: admission (KV + summaries)")
         ax_kv.bar(xs, decode, width, bottom=admission, color=f"C{i}", alpha=0.45, hatch="//",
                   label=f"{mode}: decode fetches")
     for ax in axes:

@@ -24,8 +24,9 @@ Per mode:
 - throughput = total completion tokens / wall time from the first request sent to the last
   finished;
 - KV bytes transferred at admission = the decode worker's `admission_bytes_fetched` (delta over
-  the load; the whole KV for `dense`, the first working set for `lookahead`), plus the bytes
-  fetched during decoding (`bytes_fetched`, the lookahead prefetches);
+  the load; the whole KV for `dense`, the first working set for `lookahead`); bytes moved =
+  that, the key summaries `lookahead` reads at admission (`summary_bytes_fetched`), and the
+  bytes fetched during decoding (`bytes_fetched`, the lookahead prefetches);
 - decode-node memory = peak of `pool_rows_used * row_bytes`, sampled from the decode worker's
   stats() every --poll-s seconds while the load runs, and the pool size;
 - the store's peak used bytes (host memory, sampled the same way), acceptance rate, recall.
@@ -224,6 +225,7 @@ def run_mode(mode: str, args, prompts: list[list[int]], geometry: Geometry, pool
                 break
             time.sleep(0.2)
     delta = {k: after[k] - before[k] for k in ("steps", "generated_tokens", "bytes_fetched", "admission_bytes_fetched",
+                                                "summary_bytes_fetched",
                                                 "blocks_fetched", "blocks_written_back", "drafts_proposed",
                                                 "drafts_accepted", "prefetch_hits", "prefetch_misses", "fetch_wait_s")}
     rows_per_request = geometry.rows(decode, len(prompts[0]), args.max_tokens)
@@ -232,7 +234,9 @@ def run_mode(mode: str, args, prompts: list[list[int]], geometry: Geometry, pool
         "admission_bytes": delta["admission_bytes_fetched"],
         "admission_bytes_per_request": delta["admission_bytes_fetched"] / len(prompts),
         "decode_fetch_bytes": delta["bytes_fetched"],
-        "kv_bytes_moved": delta["admission_bytes_fetched"] + delta["bytes_fetched"],
+        "summary_bytes": delta["summary_bytes_fetched"],
+        # Everything the stores sent the decode worker, the sparse modes' key summaries too.
+        "kv_bytes_moved": delta["admission_bytes_fetched"] + delta["bytes_fetched"] + delta["summary_bytes_fetched"],
         "pool_rows": info["pool_rows"], "row_bytes": info["row_bytes"], "pool_bytes": info["pool_rows"] * info["row_bytes"],
         "rows_per_request": rows_per_request, "requests_the_pool_holds": info["pool_rows"] // rows_per_request,
         "peak_rows_used": sampler.peak_rows, "peak_memory_bytes": sampler.peak_rows * info["row_bytes"],

@@ -13,7 +13,11 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20,
 # Worker counters re-exported as counters (monotonic inside a worker's life).
 DECODE_COUNTERS = {
     "blocks_fetched": ("oasiskv_decode_blocks_fetched", "KV blocks fetched from stores by decode workers"),
-    "bytes_fetched": ("oasiskv_decode_bytes_fetched", "KV bytes fetched from stores by decode workers"),
+    "bytes_fetched": ("oasiskv_decode_bytes_fetched", "KV bytes fetched from stores by decode workers while decoding"),
+    "admission_bytes_fetched": ("oasiskv_decode_admission_bytes_fetched",
+                                "KV bytes fetched at admission (the first working set; the whole KV in dense)"),
+    "summary_bytes_fetched": ("oasiskv_decode_summary_bytes_fetched",
+                              "key-summary bytes read at admission by the sparse modes"),
     "prefetch_hits": ("oasiskv_prefetch_hits", "layers whose prefetch had landed when needed"),
     "prefetch_misses": ("oasiskv_prefetch_misses", "layers whose prefetch had not landed when needed"),
     "prefetch_waits": ("oasiskv_prefetch_waits", "waits for a fetch to land"),

@@ -12,6 +12,8 @@ class DecodeCounters:
     blocks_fetched: int = 0
     bytes_fetched: int = 0
     admission_bytes_fetched: int = 0
+    # Key summaries read at admission (sparse modes): not KV, but bytes moved from the store.
+    summary_bytes_fetched: int = 0
     blocks_written_back: int = 0
     prefetch_hits: int = 0
     prefetch_misses: int = 0
@@ -37,7 +39,7 @@ class DecodeCounters:
 
     @property
     def bytes_per_token(self) -> float | None:
-        total = self.bytes_fetched + self.admission_bytes_fetched
+        total = self.bytes_fetched + self.admission_bytes_fetched + self.summary_bytes_fetched
         return total / self.generated_tokens if self.generated_tokens else None
 
     def snapshot(self) -> dict:

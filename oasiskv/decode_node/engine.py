@@ -176,6 +176,7 @@ class DecodeEngine:
         self.counters.admission_bytes_fetched += int(blocks.size) * layout.unit_bytes
         if plan.budget:
             req.summaries = self.client.read_summaries(req.request_id)
+            self.counters.summary_bytes_fetched += req.summaries.numel() * req.summaries.element_size()
         else:
             req.summaries = torch.zeros((layout.num_layers, layout.num_kv_heads, 0, 2, layout.head_dim))
         req.ws = ws

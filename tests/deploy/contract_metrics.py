@@ -19,6 +19,7 @@ ROLES = {"prefill": ("prefill-0",), "decode": WORKERS, "store": STORES}
 COUNTERS = [
     "oasiskv_requests_total", "oasiskv_prompt_tokens_total", "oasiskv_generation_tokens_total",
     "oasiskv_decode_blocks_fetched_total", "oasiskv_decode_bytes_fetched_total",
+    "oasiskv_decode_admission_bytes_fetched_total", "oasiskv_decode_summary_bytes_fetched_total",
     "oasiskv_prefetch_hits_total", "oasiskv_prefetch_misses_total", "oasiskv_prefetch_waits_total",
     "oasiskv_drafts_proposed_total", "oasiskv_drafts_accepted_total",
 ]
