@@ -165,7 +165,7 @@ class SparseAttention:
         keys = torch.index_select(self.pool.units[:, 0], 0, units).view(num_seqs, kv_heads, -1, layout.head_dim)
         values = torch.index_select(self.pool.units[:, 1], 0, units).view(num_seqs, kv_heads, -1, layout.head_dim)
         positions = self._key_positions(layer, keys.shape[2])
-        mask = position_mask(self.batch.query_positions, positions, self.sliding_window[layer])
+        mask = position_mask(self.batch.query_positions, positions, self.sliding_window[layer]).to(keys.device)
         out = attend_gathered(batch_queries(q, self.batch), keys, values, mask, self.scale)
         return unbatch_outputs(out.to(q.dtype), self.batch)
 
@@ -259,4 +259,4 @@ class SparseAttention:
         actual = self._top_blocks(req, layer, current)
         if actual.numel():
             resident = req.ws.blocks[layer, :, req.ws.budget_slice]
-            self.counters.add_recall(recall(resident, actual))
+            self.counters.add_recall(recall(resident, actual.cpu()))

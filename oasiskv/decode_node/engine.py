@@ -175,10 +175,13 @@ class DecodeEngine:
         )
         self.counters.admission_bytes_fetched += int(blocks.size) * layout.unit_bytes
         if plan.budget:
-            req.summaries = self.client.read_summaries(req.request_id)
-            self.counters.summary_bytes_fetched += req.summaries.numel() * req.summaries.element_size()
+            summaries = self.client.read_summaries(req.request_id)
+            self.counters.summary_bytes_fetched += summaries.numel() * summaries.element_size()
+            # Scored against the queries where the model runs; write-backs append device summaries.
+            req.summaries = summaries.to(self.pool.tensor.device)
         else:
-            req.summaries = torch.zeros((layout.num_layers, layout.num_kv_heads, 0, 2, layout.head_dim))
+            req.summaries = torch.zeros((layout.num_layers, layout.num_kv_heads, 0, 2, layout.head_dim),
+                                        device=self.pool.tensor.device)
         req.ws = ws
 
     # -- one step ------------------------------------------------------------------------

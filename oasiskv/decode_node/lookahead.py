@@ -113,7 +113,7 @@ def plan_replacements(
     # arrays, each ~1 us in numpy against ~5-10 us of dispatch in torch, once per layer and request.
     resident = ws.blocks.numpy()[layer, :heads, budget]  # [H, B] view
     selected = ws.last_selected.numpy()[layer, :heads, budget]  # [H, B] view, written through
-    want = wanted.numpy() if isinstance(wanted, torch.Tensor) else np.asarray(wanted)
+    want = wanted.cpu().numpy() if isinstance(wanted, torch.Tensor) else np.asarray(wanted)  # bookkeeping is on the host
     want = want.astype(np.int64, copy=False)
     width = resident.shape[1]
     low = min(int(want.min()), int(resident.min()))
