@@ -63,6 +63,21 @@ def real_text_token_ids(llm, num_tokens: int, offset: int = 0) -> list[int]:
     return ids[:num_tokens]
 
 
+def grouped_bar_positions(num_series: int, num_groups: int) -> tuple[float, list[list[float]]]:
+    """Bar width, and for each series the x of its bar in every group (groups at 0, 1, ...)."""
+    width = 0.8 / num_series
+    return width, [[group + (series - (num_series - 1) / 2) * width for group in range(num_groups)]
+                   for series in range(num_series)]
+
+
+def label_context_axes(axes, contexts: list[dict]) -> None:
+    """One group of bars per context length: tick labels, axis label, legend."""
+    for ax in axes:
+        ax.set_xticks(range(len(contexts)), [str(c["context"]) for c in contexts])
+        ax.set_xlabel("context tokens")
+        ax.legend(fontsize=7)
+
+
 def write_results(out_dir: Path, name: str, results: dict, plot=None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {"benchmark": name, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"), **results}

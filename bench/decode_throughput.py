@@ -64,7 +64,7 @@ from oasiskv.kvstore import block_scores, connect  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import PrefillResult, kv_layout_for  # noqa: E402
 
-from bench.common import real_text_token_ids, write_results  # noqa: E402
+from bench.common import grouped_bar_positions, label_context_axes, real_text_token_ids, write_results  # noqa: E402
 from bench.lookahead_accuracy import BLOCK, DenseContext, load_llm  # noqa: E402
 
 MODES = ("dense", "sparse-current", "lookahead")
@@ -479,9 +479,8 @@ def _plot(results: dict, axes) -> None:
     ax_tps, ax_kv = axes
     contexts = results["contexts"]
     modes = list(contexts[0]["modes"])
-    width = 0.8 / len(modes)
-    for i, mode in enumerate(modes):
-        xs = [j + (i - (len(modes) - 1) / 2) * width for j in range(len(contexts))]
+    width, positions = grouped_bar_positions(len(modes), len(contexts))
+    for i, (mode, xs) in enumerate(zip(modes, positions)):
         rows = [c["modes"][mode] for c in contexts]
         ax_tps.bar(xs, [r["tokens_per_s"] for r in rows], width, label=mode, color=f"C{i}")
         admission = [(r["admission_bytes"] + r.get("summary_bytes", 0)) / r["requests"] / 2**20 for r in rows]
@@ -489,10 +488,7 @@ def _plot(results: dict, axes) -> None:
         ax_kv.bar(xs, admission, width, color=f"C{i}", label=f"{mode}: admission (KV + summaries)")
         ax_kv.bar(xs, decode, width, bottom=admission, color=f"C{i}", alpha=0.45, hatch="//",
                   label=f"{mode}: decode fetches")
-    for ax in axes:
-        ax.set_xticks(range(len(contexts)), [str(c["context"]) for c in contexts])
-        ax.set_xlabel("context tokens")
-        ax.legend(fontsize=7)
+    label_context_axes(axes, contexts)
     ax_tps.set_ylabel("generated tokens/s (all requests)")
     ax_tps.set_title(f"{results['requests']} concurrent requests x {results['new_tokens']} tokens")
     ax_kv.set_ylabel("KV moved per request (MiB)")

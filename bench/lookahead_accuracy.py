@@ -78,7 +78,7 @@ from oasiskv.kvstore import summarize_layer  # noqa: E402
 from oasiskv.models.attention import AttentionBatch, PagedAttention  # noqa: E402
 from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 
-from bench.common import real_text_token_ids, write_results  # noqa: E402
+from bench.common import grouped_bar_positions, real_text_token_ids, write_results  # noqa: E402
 
 BLOCK = 16
 PAPER = {"lookahead": 0.9874, "current": 0.839}
@@ -393,9 +393,8 @@ def _plot(results: dict, axes) -> None:
     ax_layers.set_xlabel("layer")
     ax_layers.set_ylabel("recall of true top-K")
     ax_layers.legend(fontsize=8)
-    width = 0.8 / len(PREDICTORS)
-    for i, pred in enumerate(PREDICTORS):
-        xs = [j + (i - (len(PREDICTORS) - 1) / 2) * width for j in range(len(results["contexts"]))]
+    width, positions = grouped_bar_positions(len(PREDICTORS), len(results["contexts"]))
+    for i, (pred, xs) in enumerate(zip(PREDICTORS, positions)):
         ax_bars.bar(xs, [r["recall_mean"][f"ranking/next_token/{pred}"] for r in results["contexts"]], width, label=pred,
                     color=f"C{i}")
         ax_bars.scatter(xs, [r["recall_mean"][f"exact/next_token/{pred}"] for r in results["contexts"]], marker="_",

@@ -82,7 +82,7 @@ sys.path.insert(0, str(ROOT.parent))
 
 from tqdm import tqdm  # noqa: E402
 
-from bench.common import latency_summary, percentile, write_results  # noqa: E402
+from bench.common import grouped_bar_positions, label_context_axes, latency_summary, percentile, write_results  # noqa: E402
 
 MIB = 2**20
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -455,19 +455,15 @@ def _plot_decode(results: dict, axes) -> None:
     ax_tps, ax_kv = axes
     contexts = results["contexts"]
     names = list(contexts[0]["systems"])
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(contexts))]
+    width, positions = grouped_bar_positions(len(names), len(contexts))
+    for i, (name, xs) in enumerate(zip(names, positions)):
         rows = [c["systems"][name] for c in contexts]
         tps = [0 if "error" in r else r["tokens_per_s"] for r in rows]
         kv = [0 if "error" in r else r["kv_bytes_moved_per_request"] / MIB for r in rows]
         label = name + (" (error)" if any("error" in r for r in rows) else "")
         ax_tps.bar(xs, tps, width, label=label, color=f"C{i}")
         ax_kv.bar(xs, kv, width, label=name, color=f"C{i}")
-    for ax in axes:
-        ax.set_xticks(range(len(contexts)), [str(c["context"]) for c in contexts])
-        ax.set_xlabel("context tokens")
-        ax.legend(fontsize=7)
+    label_context_axes(axes, contexts)
     ax_tps.set_ylabel("decode tokens/s (all requests)")
     ax_tps.set_title(f"{results['requests']} requests x {results['new_tokens']} tokens, same KV memory")
     ax_kv.set_ylabel("KV moved per request (MiB)")
