@@ -26,8 +26,9 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
+from oasiskv.decode_node.attention import gathered_attention  # noqa: E402
 from oasiskv.decode_node.triton_attention import sparse_paged_attention, triton_available  # noqa: E402
-from oasiskv.models.attention import PAD_POSITION, attend_gathered, position_mask  # noqa: E402
+from oasiskv.models.attention import PAD_POSITION  # noqa: E402
 
 from bench.common import write_results  # noqa: E402
 
@@ -51,16 +52,6 @@ def working_sets(batch: int, kv_heads: int, group: int, rows: int, units: int, h
     query_positions = torch.arange(context - rows, context).repeat(batch, 1)
     queries = torch.randn(batch, rows, kv_heads * group, head_dim, generator=g).to(dtype).transpose(1, 2)
     return tuple(t.to(device) for t in (queries, pool, unit_ids, key_positions, query_positions))
-
-
-def torch_path(queries, pool, unit_ids, key_positions, query_positions, scale):
-    """What SparseAttention._attend_resident does without the kernel."""
-    batch, kv_heads, _ = unit_ids.shape
-    flat = unit_ids.reshape(-1)
-    keys = torch.index_select(pool[:, 0], 0, flat).view(batch, kv_heads, -1, pool.shape[-1])
-    values = torch.index_select(pool[:, 1], 0, flat).view(batch, kv_heads, -1, pool.shape[-1])
-    mask = position_mask(query_positions, key_positions, None)
-    return attend_gathered(queries, keys, values, mask, scale)
 
 
 def timed_us(fn, device: str, repeats: int) -> float:
@@ -107,9 +98,9 @@ def main(argv=None) -> int:
     for batch, units in tqdm(shapes, desc="shapes"):
         inputs = working_sets(batch, args.kv_heads, args.group, args.rows, units, args.head_dim, dtype, args.device)
         queries, pool, unit_ids, key_positions, query_positions = inputs
-        reference = torch_path(*inputs, scale)
+        reference = gathered_attention(*inputs, None, scale)
         kernel_out = sparse_paged_attention(queries, pool, unit_ids, key_positions, query_positions, None, scale)
-        torch_us = timed_us(lambda: torch_path(*inputs, scale), args.device, args.repeats)
+        torch_us = timed_us(lambda: gathered_attention(*inputs, None, scale), args.device, args.repeats)
         triton_us = timed_us(lambda: sparse_paged_attention(queries, pool, unit_ids, key_positions, query_positions,
                                                             None, scale), args.device, args.repeats)
         kv_bytes = unit_ids.numel() * 2 * BLOCK * args.head_dim * pool.element_size()

@@ -44,6 +44,21 @@ class StepRequest:
     budget_blocks: int = 128
 
 
+def gathered_attention(queries: torch.Tensor, units_kv: torch.Tensor, unit_ids: torch.Tensor,
+                       key_positions: torch.Tensor, query_positions: torch.Tensor, window: int | None,
+                       scale: float) -> torch.Tensor:
+    """The torch path of `sparse_paged_attention` (same arguments): gather the units' K and V,
+    then attend with the shared core. One index_select each for K and V straight into
+    [B, kv_heads, R * bs, d]: no [.., 2, bs, d] intermediate to split and copy again (several
+    times faster on CPU)."""
+    num_seqs, kv_heads, _ = unit_ids.shape
+    flat = unit_ids.reshape(-1)
+    keys = torch.index_select(units_kv[:, 0], 0, flat).view(num_seqs, kv_heads, -1, units_kv.shape[-1])
+    values = torch.index_select(units_kv[:, 1], 0, flat).view(num_seqs, kv_heads, -1, units_kv.shape[-1])
+    mask = position_mask(query_positions, key_positions, window)
+    return attend_gathered(queries, keys, values, mask, scale)
+
+
 class SparseAttention:
     def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace_fraction: float, miss_policy: str,
                  counters: DecodeCounters, fetch_timeout_s: float, radius_weight: float = RANKING_RADIUS_WEIGHT,
@@ -155,18 +170,11 @@ class SparseAttention:
         layout = self.pool.layout
         heads = torch.arange(layout.num_kv_heads)
         units = self.pool.unit_ids(self._rows[:, None, :], layer, heads[None, :, None])  # [B, kv_heads, R]
-        num_seqs, kv_heads = units.shape[:2]
-        # One index_select each for K and V straight into [B, kv_heads, R * bs, d]: no
-        # [.., 2, bs, d] intermediate to split and copy again (several times faster on CPU).
         device = self.pool.units.device
-        if self.use_triton:
-            return self._attend_resident_triton(layer, q, units.to(device))
-        units = units.reshape(-1).to(device)
-        keys = torch.index_select(self.pool.units[:, 0], 0, units).view(num_seqs, kv_heads, -1, layout.head_dim)
-        values = torch.index_select(self.pool.units[:, 1], 0, units).view(num_seqs, kv_heads, -1, layout.head_dim)
-        positions = self._key_positions(layer, keys.shape[2])
-        mask = position_mask(self.batch.query_positions, positions, self.sliding_window[layer]).to(keys.device)
-        out = attend_gathered(batch_queries(q, self.batch), keys, values, mask, self.scale)
+        positions = self._key_positions(layer, units.shape[2] * layout.block_size)
+        attend = sparse_paged_attention if self.use_triton else gathered_attention
+        out = attend(batch_queries(q, self.batch), self.pool.units, units.to(device), positions.to(device),
+                     self.batch.query_positions.to(device), self.sliding_window[layer], self.scale)
         return unbatch_outputs(out.to(q.dtype), self.batch)
 
     def _key_positions(self, layer: int, width: int) -> torch.Tensor:
@@ -177,14 +185,6 @@ class SparseAttention:
             own = req.ws.key_positions(layer)
             positions[i, :, : own.shape[1]] = own
         return positions
-
-    def _attend_resident_triton(self, layer: int, q: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
-        """The same attention, reading each unit's K/V in place in the pool (no gathered copy)."""
-        device = units.device
-        positions = self._key_positions(layer, units.shape[2] * self.pool.layout.block_size).to(device)
-        out = sparse_paged_attention(batch_queries(q, self.batch), self.pool.units, units, positions,
-                                     self.batch.query_positions.to(device), self.sliding_window[layer], self.scale)
-        return unbatch_outputs(out.to(q.dtype), self.batch)
 
     # -- selection and transfers ---------------------------------------------------------
     def _candidate_range(self, req: StepRequest) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """Sparse attention over a request's resident units, read straight from the device pool (Triton).
 
-The torch path (`SparseAttention._attend_resident`) first gathers every selected unit's K and V
+The torch path (`decode_node.attention.gathered_attention`) first gathers every selected unit's K and V
 into a fresh [B, kv_heads, R * block_size, d] copy and then attends to it. Decode is bandwidth
 bound, so that copy roughly triples the memory traffic of the step. This kernel reads each unit
 where it lies in the pool, by id, and keeps the softmax online, so K and V are read exactly once.

@@ -1,8 +1,9 @@
 """The Triton sparse attention kernel against the torch path it replaces.
 
-The reference gathers the units by hand and runs the real `position_mask` and `attend_gathered`,
-exactly what `SparseAttention._attend_resident` does. On CPUs the kernel runs under Triton's
-interpreter (in a child process, see `interpreted`); the `cuda` test compiles it for a GPU.
+The reference gathers the units by hand and runs the real `position_mask` and `attend_gathered`:
+the decode node's torch path (`gathered_attention`), written out independently. On CPUs the
+kernel runs under Triton's interpreter (in a child process, see `interpreted`); the `cuda` test
+compiles it for a GPU.
 """
 
 from __future__ import annotations
