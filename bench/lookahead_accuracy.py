@@ -72,9 +72,8 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from oasiskv.decode_node.lookahead import recall, score_blocks, top_blocks  # noqa: E402
-from oasiskv.kvstore import block_scores  # noqa: E402
 from oasiskv.decode_node.speculative import NgramDrafter  # noqa: E402
-from oasiskv.kvstore import summarize_layer  # noqa: E402
+from oasiskv.kvstore import block_scores, summarize_layer  # noqa: E402
 from oasiskv.models.attention import AttentionBatch, PagedAttention  # noqa: E402
 from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 
