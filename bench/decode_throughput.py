@@ -60,7 +60,7 @@ import oasiskv.decode_node.engine as engine_module  # noqa: E402
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
 from oasiskv.decode_node.engine import DecodeEngine  # noqa: E402
 from oasiskv.decode_node.speculative import NgramDrafter  # noqa: E402
-from oasiskv.kvstore import block_scores, connect  # noqa: E402
+from oasiskv.kvstore import RANKING_RADIUS_WEIGHT, block_scores, connect  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import PrefillResult, kv_layout_for  # noqa: E402
 
@@ -119,7 +119,8 @@ class PromptSet:
         self.sinks, self.window = sinks, window
         model = ctx.model
         self.num_layers = model.config.num_layers
-        self.summaries = [ctx.summaries(layer, len(ctx.ids)) for layer in range(self.num_layers)]
+        # The prefill node scores its own exact float32 summaries, not the store's narrowed ones.
+        self.summaries = [ctx.summaries(layer, len(ctx.ids), torch.float32) for layer in range(self.num_layers)]
         self.packed = ctx.packed_kv(len(ctx.ids) // BLOCK)  # complete blocks; prompts end on a block
         self._first: dict[int, int] = {}
 
@@ -138,7 +139,7 @@ class PromptSet:
         query = self.ctx.queries[length - 1]
         out = torch.empty((self.num_layers, self.layout.num_kv_heads, top_k), dtype=torch.long)
         for layer in range(self.num_layers):
-            scores = block_scores(query[layer][None], self.summaries[layer][:, start:stop])[0]
+            scores = block_scores(query[layer][None], self.summaries[layer][:, start:stop], RANKING_RADIUS_WEIGHT)[0]
             out[layer] = torch.topk(scores, top_k, dim=-1).indices + start
         return out
 

@@ -73,7 +73,7 @@ sys.path.insert(0, str(ROOT.parent))
 
 from oasiskv.decode_node.lookahead import recall, score_blocks, top_blocks  # noqa: E402
 from oasiskv.decode_node.speculative import NgramDrafter  # noqa: E402
-from oasiskv.kvstore import block_scores, summarize_layer  # noqa: E402
+from oasiskv.kvstore import block_scores, narrow_summaries, summarize_layer  # noqa: E402
 from oasiskv.models.attention import AttentionBatch, PagedAttention  # noqa: E402
 from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 
@@ -125,9 +125,10 @@ class DenseContext:
     of a few rows at any position t against the keys of positions < t."""
 
     def __init__(self, model, ids: list[int], keep_positions, chunk_tokens: int = 1024, scratch_tokens: int = 32,
-                 progress: tqdm | None = None):
+                 progress: tqdm | None = None, summary_dtype: torch.dtype = torch.bfloat16):
         config = model.config
         self.model = model
+        self.summary_dtype = summary_dtype
         self.ids = list(ids)
         self.dtype = next(model.parameters()).dtype
         n = len(ids)
@@ -179,9 +180,12 @@ class DenseContext:
     def values(self, layer: int, end: int) -> torch.Tensor:
         return self.cache.v[layer][:, :end]
 
-    def summaries(self, layer: int, end: int) -> torch.Tensor:
-        """[kv_heads, blocks, 2, d] min/max key summaries of positions < end (the store's bound)."""
-        return summarize_layer(self.keys(layer, end).transpose(0, 1), BLOCK)
+    def summaries(self, layer: int, end: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """[kv_heads, blocks, 2, d] min/max key summaries of positions < end, as the decode node
+        sees them: read from the store in `dtype` (default summary_dtype; rounded outward),
+        widened to float32."""
+        exact = summarize_layer(self.keys(layer, end).transpose(0, 1), BLOCK)
+        return narrow_summaries(exact, dtype or self.summary_dtype).float()
 
     def packed_kv(self, num_blocks: int) -> torch.Tensor:
         """[layers, blocks, kv_heads, 2, block_size, d] of blocks < num_blocks: the store's unit layout."""
@@ -322,6 +326,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-tokens", type=int, default=None, help="default 2048 (--quick: 512, so top-K stays "
                         "a similar share of the shorter contexts' blocks)")
     parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--summary-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                        help="the dtype the decode node reads key summaries in (DecodeConfig.summary_read_dtype)")
     parser.add_argument("--sink-blocks", type=int, default=1)
     parser.add_argument("--window-blocks", type=int, default=4)
     parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
@@ -342,13 +348,13 @@ def main(argv=None) -> int:
     k = args.num_draft_tokens
     keep = {p for c in contexts for t in positions_for(c, args.positions, args.stride, k) for p in range(t, t + k + 2)}
     with tqdm(total=len(ids), desc="dense pass (keeps all KV)", unit="tok") as bar:
-        ctx = DenseContext(model, ids, keep, progress=bar)
+        ctx = DenseContext(model, ids, keep, progress=bar, summary_dtype=getattr(torch, args.summary_dtype))
     forward_s = time.perf_counter() - started
     results = {
         "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
         "machine": platform.processor() or platform.machine(),
         "budget_tokens": args.budget_tokens, "top_k_blocks": args.budget_tokens // BLOCK,
-        "num_draft_tokens": k, "sink_blocks": args.sink_blocks, "window_blocks": args.window_blocks,
+        "num_draft_tokens": k, "summary_dtype": args.summary_dtype, "sink_blocks": args.sink_blocks, "window_blocks": args.window_blocks,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "reference_paper": PAPER, "goal": GOAL,
         "dense_pass_s": forward_s, "contexts": [],
     }

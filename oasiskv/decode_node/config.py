@@ -27,6 +27,10 @@ class DecodeConfig(BaseModel):
         RANKING_RADIUS_WEIGHT, ge=0, le=1,
         description="blocks are ranked by q.center + w |q|.radius of their min/max key summary (1: the upper bound)",
     )
+    summary_read_dtype: Literal["float32", "bfloat16"] = Field(
+        "bfloat16", description="key summaries are read from the store in this dtype; bfloat16 moves half the bytes "
+        "(the store rounds min down and max up, so scores stay bounds) and is widened to float32 on arrival",
+    )
     recall_sample_steps: int = Field(
         8, ge=1, description="the prediction-recall counter scores the current query every Nth step (it cost 13% of a step)"
     )

@@ -175,10 +175,11 @@ class DecodeEngine:
         )
         self.counters.admission_bytes_fetched += int(blocks.size) * layout.unit_bytes
         if plan.budget:
-            summaries = self.client.read_summaries(req.request_id)
+            summaries = self.client.read_summaries(req.request_id, dtype=self.config.summary_read_dtype)
             self.counters.summary_bytes_fetched += summaries.numel() * summaries.element_size()
-            # Scored against the queries where the model runs; write-backs append device summaries.
-            req.summaries = summaries.to(self.pool.tensor.device)
+            # Scored against the queries where the model runs, in float32: widening once here is
+            # cheaper than widening the scored range of every layer at every step.
+            req.summaries = summaries.to(self.pool.tensor.device, torch.float32)
         else:
             req.summaries = torch.zeros((layout.num_layers, layout.num_kv_heads, 0, 2, layout.head_dim),
                                         device=self.pool.tensor.device)

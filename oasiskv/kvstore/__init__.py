@@ -2,7 +2,7 @@
 
 Public API:
     KVLayout, KVStoreConfig, KVStore, KVStoreServer, KVStoreClient, connect, TransferHandle,
-    summarize_keys / summarize_layer / summarize_request / block_scores, pack_layer / pack_request,
+    summarize_keys / summarize_layer / summarize_request / block_scores / narrow_summaries, pack_layer / pack_request,
     errors (StoreFull, UnknownRequest, ...), launch_store_actor (Ray).
 """
 
@@ -26,7 +26,14 @@ from .layout import KVLayout, pack_layer, pack_request, unpack_units
 from .ray_actor import KVStoreActor, launch_store_actor
 from .server import KVStoreServer
 from .store import KVStore, RequestInfo, StoreStats
-from .summary import RANKING_RADIUS_WEIGHT, block_scores, summarize_keys, summarize_layer, summarize_request
+from .summary import (
+    RANKING_RADIUS_WEIGHT,
+    block_scores,
+    narrow_summaries,
+    summarize_keys,
+    summarize_layer,
+    summarize_request,
+)
 from .transport import TransferHandle
 
 __all__ = [
@@ -34,6 +41,6 @@ __all__ = [
     "KVStoreConfig", "KVStoreError", "KVStoreServer", "ProtocolError", "RemoteError", "RequestExists",
     "RequestInfo", "StoreFull", "StoreStats", "StoreTimeout", "StoreUnavailable", "TransferError",
     "TransferHandle", "UnknownRequest", "alloc_host_buffer", "block_scores", "connect",
-    "launch_store_actor", "pack_layer", "pack_request", "summarize_keys", "summarize_layer",
+    "launch_store_actor", "narrow_summaries", "pack_layer", "pack_request", "summarize_keys", "summarize_layer",
     "summarize_request", "unpack_units",
 ]

@@ -31,6 +31,7 @@ from .hostmem import tensor_bytes
 from .inproc import InprocTransport
 from .layout import KVLayout, as_index_array, broadcast_units
 from .store import KVStore, RequestInfo, StoreStats
+from .summary import summary_read_dtype
 from .transport import TransferHandle, Transport
 
 TRANSPORTS = ("auto", "nixl", "tcp", "inproc")
@@ -116,9 +117,13 @@ class KVStoreClient:
         head_idx = np.tile(np.arange(layout.num_kv_heads, dtype=np.int64), blocks * layout.num_layers)
         return self.write_blocks(request_id, layer_idx, head_idx, block_idx, src)
 
-    def read_summaries(self, request_id: str, first_block: int = 0, num_blocks: int | None = None) -> torch.Tensor:
-        """Key summaries [layers, kv_heads, blocks, 2 (min, max), head_dim] float32."""
-        return self.transport.read_summaries(request_id, int(first_block), None if num_blocks is None else int(num_blocks))
+    def read_summaries(self, request_id: str, first_block: int = 0, num_blocks: int | None = None,
+                       dtype: str | torch.dtype = torch.float32) -> torch.Tensor:
+        """Key summaries [layers, kv_heads, blocks, 2 (min, max), head_dim] as float32, or as bfloat16
+        (half the bytes; min rounded down and max rounded up, so still a bound)."""
+        return self.transport.read_summaries(
+            request_id, int(first_block), None if num_blocks is None else int(num_blocks), summary_read_dtype(dtype)
+        )
 
     def register(self, tensor: torch.Tensor) -> None:
         """Register a long-lived buffer once (NIXL; a no-op elsewhere). Keeps a reference."""

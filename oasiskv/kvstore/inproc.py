@@ -50,8 +50,9 @@ class InprocTransport(Transport):
         nbytes = self.store.write_from(request_id, layers, heads, blocks, buffer.data_ptr(), offsets, layout.unit_bytes)
         return CompletedHandle(layers.size, nbytes)
 
-    def read_summaries(self, request_id: str, first_block: int, num_blocks: int | None) -> torch.Tensor:
-        return self.store.read_summaries(request_id, first_block, num_blocks)
+    def read_summaries(self, request_id: str, first_block: int, num_blocks: int | None,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.store.read_summaries(request_id, first_block, num_blocks, dtype)
 
     def stats(self) -> dict[str, Any]:
         return {**self.store.stats().__dict__, "nixl": False}

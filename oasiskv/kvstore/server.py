@@ -15,6 +15,7 @@ import uuid
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from .config import KVStoreConfig
 from .errors import InvalidArgument, KVStoreError, ProtocolError, RemoteError
@@ -359,9 +360,11 @@ class KVStoreServer:
     def _summaries(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
         num_blocks = header.get("num_blocks")
         summaries = self.store.read_summaries(
-            str(header["rid"]), int(header.get("first_block", 0)), None if num_blocks is None else int(num_blocks)
+            str(header["rid"]), int(header.get("first_block", 0)), None if num_blocks is None else int(num_blocks),
+            str(header.get("dtype", "float32")),
         )
-        return {"shape": list(summaries.shape)}, [summaries.numpy().view(np.uint8).reshape(-1)]
+        # numpy has no bfloat16, so the bytes go out as uint8.
+        return {"shape": list(summaries.shape)}, [summaries.reshape(-1).view(torch.uint8).numpy()]
 
 
 def _count(header: dict[str, Any]) -> int:

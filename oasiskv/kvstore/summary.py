@@ -11,7 +11,9 @@ max(q_d min_d, q_d max_d) = q_d c_d + |q_d| r_d, so the bound is two dot product
 over the query heads of a GQA group is (sum_g q_g) . c + (sum_g |q_g|) . r: two matmuls for
 all blocks at once.
 
-Summaries are float32, shape [layers, kv_heads, blocks, 2 (min, max), head_dim].
+Summaries are float32, shape [layers, kv_heads, blocks, 2 (min, max), head_dim]. They may be
+read in bfloat16 (half the bytes moved): `narrow_summaries` rounds the min down and the max up, so
+the narrowed box still contains every key and the bound stays a bound.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ from __future__ import annotations
 import torch
 
 from .errors import InvalidArgument
+
+# What a summary may be read as; float16 is left out because keys can exceed its range.
+SUMMARY_READ_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # Dtypes torch reduces natively on CPU and that can hold +-inf (float8 can do neither).
 _NATIVE_MINMAX = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -42,6 +47,32 @@ def summarize_keys(keys: torch.Tensor, valid_tokens: int | torch.Tensor | None =
     lo = keys.masked_fill(padding, float("inf")).amin(dim=-2)
     hi = keys.masked_fill(padding, float("-inf")).amax(dim=-2)
     return torch.stack((lo, hi), dim=-2).float()
+
+
+def summary_read_dtype(name: str | torch.dtype) -> torch.dtype:
+    """A summary read dtype by name (or dtype), or InvalidArgument naming the choices."""
+    if isinstance(name, torch.dtype):
+        name = str(name).removeprefix("torch.")
+    if name not in SUMMARY_READ_DTYPES:
+        raise InvalidArgument(f"summaries can be read as {sorted(SUMMARY_READ_DTYPES)}, not {name!r}")
+    return SUMMARY_READ_DTYPES[name]
+
+
+def narrow_summaries(summaries: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 [..., 2 (min, max), head_dim] -> dtype, rounding the min toward -inf and the max
+    toward +inf: round-to-nearest would shrink the box, and a key outside its box could make
+    block_scores underrate the block that holds it."""
+    dtype = summary_read_dtype(dtype)
+    if dtype == summaries.dtype:
+        return summaries
+    narrow = summaries.to(dtype)
+    wide = narrow.to(summaries.dtype)
+    lo, hi = narrow[..., 0, :], narrow[..., 1, :]
+    low_too_high = wide[..., 0, :] > summaries[..., 0, :]
+    high_too_low = wide[..., 1, :] < summaries[..., 1, :]
+    lo[low_too_high] = torch.nextafter(lo[low_too_high], lo.new_tensor(float("-inf")))
+    hi[high_too_low] = torch.nextafter(hi[high_too_low], hi.new_tensor(float("inf")))
+    return narrow
 
 
 def summarize_layer(keys: torch.Tensor, block_size: int = 16) -> torch.Tensor:

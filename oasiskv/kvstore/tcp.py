@@ -27,6 +27,7 @@ from .inproc import _host_only
 from .layout import KVLayout
 from .protocol import VERSION, ConnectionClosed, Payload, index_payload, recv_frame_header, send_frame
 from .store import RequestInfo
+from .summary import summary_read_dtype
 from .transport import FutureHandle, TransferHandle, Transport
 
 Land = Callable[[dict[str, Any], Payload], Any]
@@ -94,15 +95,20 @@ class TcpTransport(Transport):
     def metrics_text(self) -> str:
         return self._call({"op": "metrics"})[0]["text"]
 
-    def read_summaries(self, request_id: str, first_block: int, num_blocks: int | None) -> torch.Tensor:
+    def read_summaries(self, request_id: str, first_block: int, num_blocks: int | None,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        dtype = summary_read_dtype(dtype)
+
         def land(reply: dict[str, Any], payload: Payload) -> torch.Tensor:
-            out = torch.empty([int(d) for d in reply["shape"]], dtype=torch.float32)
-            if payload.remaining != out.numel() * 4:
-                raise ProtocolError(f"summary reply has {payload.remaining} bytes for shape {reply['shape']}")
-            payload.read_into(byte_view(out.data_ptr(), out.numel() * 4))
+            out = torch.empty([int(d) for d in reply["shape"]], dtype=dtype)
+            nbytes = out.numel() * out.element_size()
+            if payload.remaining != nbytes:
+                raise ProtocolError(f"summary reply has {payload.remaining} bytes for {dtype} shape {reply['shape']}")
+            payload.read_into(byte_view(out.data_ptr(), nbytes))
             return out
 
-        header = {"op": "summaries", "rid": request_id, "first_block": int(first_block), "num_blocks": num_blocks}
+        header = {"op": "summaries", "rid": request_id, "first_block": int(first_block), "num_blocks": num_blocks,
+                  "dtype": str(dtype).removeprefix("torch.")}
         return self._call(header, land=land)
 
     # --- data plane ----------------------------------------------------------------------

@@ -126,7 +126,9 @@ class Transport(ABC):
         """buffer bytes [offsets[i], offsets[i] + unit_bytes) -> units; summaries recomputed."""
 
     @abstractmethod
-    def read_summaries(self, request_id: str, first_block: int, num_blocks: int | None) -> torch.Tensor: ...
+    def read_summaries(self, request_id: str, first_block: int, num_blocks: int | None,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[layers, kv_heads, blocks, 2, head_dim] as dtype (float32 or bfloat16, rounded outward)."""
 
     @abstractmethod
     def stats(self) -> dict[str, Any]: ...

@@ -82,6 +82,10 @@ def test_small_budget_fetches_only_the_predicted_blocks(smollm2_llm, store, prom
     # Admission moved a working set, not the whole prompt: far less than the full KV.
     full_kv = sum(len(p) for p in prompts) / 16 * engine.layout.num_layers * engine.layout.num_kv_heads * engine.layout.unit_bytes
     assert counters.admission_bytes_fetched < 0.5 * full_kv
+    # The key summaries of every prompt block came as bfloat16 (the default): 2 bytes per number.
+    layout = engine.layout
+    blocks = sum(-(-len(p) // layout.block_size) for p in prompts)
+    assert counters.summary_bytes_fetched == blocks * layout.num_layers * layout.num_kv_heads * 2 * layout.head_dim * 2
     assert engine.pool.allocator.num_free == engine.pool.num_rows
 
 
@@ -127,3 +131,5 @@ def test_config_validates_early():
         DecodeConfig(mode="sparse")
     with pytest.raises(ValueError, match="num_draft_tokens"):
         DecodeConfig(num_draft_tokens=16)
+    with pytest.raises(ValueError, match="summary_read_dtype"):
+        DecodeConfig(summary_read_dtype="float16")

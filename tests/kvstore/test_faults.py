@@ -111,6 +111,8 @@ def test_bad_arguments(client):
         client.extend(request, 10)  # cannot shrink
     with pytest.raises(InvalidArgument):
         client.allocate("", LAYOUT, 16)
+    with pytest.raises(InvalidArgument, match="float16"):
+        client.read_summaries(request, dtype=torch.float16)
     client.free(request)
 
 
@@ -289,6 +291,14 @@ def test_garbage_and_unknown_ops_get_error_frames(strict_server):
     send_frame(sock, {"op": "read", "rid": "nope", "n": 5, "seq": 3}, [b"\x00" * 7])  # short payload
     reply, _ = recv_frame_header(sock, 5)
     assert reply["ok"] is False
+    sock.close()
+
+    sock = raw_socket(strict_server)
+    send_frame(sock, {"op": "allocate", "rid": "narrow", "seq": 4, "layout": LAYOUT.to_wire(), "num_tokens": 16})
+    assert recv_frame_header(sock, 5)[0]["ok"] is True
+    send_frame(sock, {"op": "summaries", "rid": "narrow", "dtype": "int8", "seq": 5})
+    reply, _ = recv_frame_header(sock, 5)
+    assert reply["error"]["type"] == "InvalidArgument" and "int8" in reply["error"]["message"]
     sock.close()
     assert_store_serves(strict_server)
 

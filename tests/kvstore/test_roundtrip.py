@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from oasiskv.kvstore import KVLayout, KVStoreServer, UnknownRequest, connect, summarize_request
+from oasiskv.kvstore import KVLayout, KVStoreServer, UnknownRequest, connect, narrow_summaries, summarize_request
 from oasiskv.kvstore.layout import pack_layer
 
 from .helpers import LAYOUT, random_request_blocks, random_request_kv, random_units
@@ -69,6 +69,22 @@ def test_summaries_computed_on_write(client):
     assert summaries.shape == (LAYOUT.num_layers, LAYOUT.num_kv_heads, 5, 2, LAYOUT.head_dim)
     assert torch.equal(summaries, summarize_request(keys, LAYOUT.block_size))  # partial last block too
     assert torch.equal(client.read_summaries(request, first_block=2, num_blocks=2), summaries[:, :, 2:4])
+    client.free(request)
+
+
+def test_summaries_of_bfloat16_kv_read_as_bfloat16_are_exact(client):
+    request = rid()
+    tokens = 75
+    client.allocate(request, LAYOUT, tokens)
+    keys, _ = random_request_kv(5, LAYOUT, tokens)
+    client.write_request(request, random_request_blocks(5, LAYOUT, tokens)).wait()
+    exact = client.read_summaries(request)
+    narrow = client.read_summaries(request, first_block=1, dtype="bfloat16")
+    assert narrow.dtype == torch.bfloat16 and narrow.shape == exact[:, :, 1:].shape
+    assert torch.equal(narrow, narrow_summaries(exact[:, :, 1:], torch.bfloat16))
+    wide = narrow.float()
+    # The KV is bfloat16, so its min and max are bfloat16 numbers already: narrowing loses nothing.
+    assert LAYOUT.dtype == torch.bfloat16 and torch.equal(wide, exact[:, :, 1:])
     client.free(request)
 
 

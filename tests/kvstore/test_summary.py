@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oasiskv.kvstore import block_scores, summarize_keys, summarize_layer, summarize_request
+from oasiskv.kvstore import InvalidArgument, block_scores, narrow_summaries, summarize_keys, summarize_layer, summarize_request
 from oasiskv.kvstore.summary import block_scores_reference
 
 
@@ -104,3 +105,27 @@ def test_radius_weight_interpolates_between_center_and_bound():
     weighted = block_scores(queries, summaries, 0.4)
     torch.testing.assert_close(weighted, center_only + 0.4 * (bound - center_only))
     assert (weighted <= bound + 1e-5).all()
+
+
+def test_bfloat16_summaries_still_bound_every_key():
+    torch.manual_seed(11)
+    keys = torch.randn(160, 2, 64) * 7 + 0.003  # 10 blocks, 2 KV heads
+    exact = summarize_layer(keys)
+    narrow = narrow_summaries(exact, torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16
+    wide = narrow.float()
+    assert (wide[..., 0, :] <= exact[..., 0, :]).all() and (wide[..., 1, :] >= exact[..., 1, :]).all()
+    assert (exact.to(torch.bfloat16).float()[..., 1, :] < exact[..., 1, :]).any()  # nearest would cut the box
+    assert ((wide - exact).abs() <= exact.abs() * 2.0**-7).all()  # at most one bfloat16 step wider
+    queries = torch.randn(6, 64) * 2  # 3 query heads per KV head
+    for head in range(2):
+        group = queries.view(2, 3, 64)[head]
+        logits = torch.einsum("gd,btd->gbt", group, keys[:, head].reshape(10, 16, 64))
+        group_block_max = logits.amax(-1).sum(0)
+        assert (block_scores(queries, wide)[head] >= group_block_max - 1e-4).all()
+
+
+def test_narrowing_to_an_unsupported_dtype_is_refused():
+    with pytest.raises(InvalidArgument, match="float16"):
+        narrow_summaries(torch.zeros(1, 2, 4), torch.float16)
+    assert narrow_summaries(torch.ones(1, 2, 4), "float32").dtype == torch.float32
