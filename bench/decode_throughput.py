@@ -60,7 +60,7 @@ import oasiskv.decode_node.engine as engine_module  # noqa: E402
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
 from oasiskv.decode_node.engine import DecodeEngine  # noqa: E402
 from oasiskv.decode_node.speculative import NgramDrafter  # noqa: E402
-from oasiskv.kvstore import RANKING_RADIUS_WEIGHT, block_scores, connect  # noqa: E402
+from oasiskv.kvstore import connect, rank_blocks  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import PrefillResult, kv_layout_for  # noqa: E402
 
@@ -139,7 +139,7 @@ class PromptSet:
         query = self.ctx.queries[length - 1]
         out = torch.empty((self.num_layers, self.layout.num_kv_heads, top_k), dtype=torch.long)
         for layer in range(self.num_layers):
-            scores = block_scores(query[layer][None], self.summaries[layer][:, start:stop], RANKING_RADIUS_WEIGHT)[0]
+            scores = rank_blocks(query[layer][None], self.summaries[layer][:, start:stop], self.ctx.model.config.softmax_scale)
             out[layer] = torch.topk(scores, top_k, dim=-1).indices + start
         return out
 

@@ -20,15 +20,18 @@ positions < t (the draft rows' K/V go to scratch slots), once per drafter:
     decode node does (when it proposes nothing the current query is used, as the node does).
 
 Predictors, each the top-K (K = budget / 16 blocks, per layer and KV head) of `score_blocks`
-(the decode node's own ranking: q.center + 0.4 |q|.radius of the blocks' min/max key summary,
-summed over the query heads of the KV group, the mean over the query rows given):
+(the decode node's own ranking, `rank_blocks`: per query head, the softmax over the candidate
+blocks of scale * (q.center + 0.2 |q|.radius) of their min/max key summary, the query rows
+averaged first, summed over the query heads of the KV group):
   - lookahead_perfect / lookahead_ngram: the draft rows' queries of that drafter's pass;
   - current: the query at position t (row 0; what `sparse-current` uses);
   - oracle_ranking: the target query itself through the ranking (the best any summary-based
     predictor with this ranking can do; it isolates the ranking's loss from the prediction's);
   - perfect_first_draft (diagnostic): the first true draft row alone;
-  - lookahead_perfect_bound / current_bound: the rule used before 2026-11-30, the min/max upper
-    bound itself (radius weight 1), each block's best row, for comparison.
+  - lookahead_perfect_linear / current_linear: the previous rule, the logits
+    q.center + 0.4 |q|.radius summed over the group's heads without a softmax;
+  - lookahead_perfect_bound / current_bound: the rule before that, the min/max upper bound
+    itself (radius weight 1), each block's best row.
 
 Truth (the set to recall), per layer and KV head:
   - exact: top-K blocks by the exact attention weights of the true query at the target position
@@ -83,8 +86,9 @@ BLOCK = 16
 PAPER = {"lookahead": 0.9874, "current": 0.839}
 GOAL = 0.987
 PREDICTORS = ("lookahead_perfect", "lookahead_ngram", "current", "oracle_ranking", "perfect_first_draft",
-              "lookahead_perfect_bound", "current_bound")
+              "lookahead_perfect_linear", "current_linear", "lookahead_perfect_bound", "current_bound")
 TRUTHS = ("exact", "ranking", "mass")
+LINEAR_RADIUS_WEIGHT = 0.4  # the best weight for the linear rule, measured
 
 
 def default_contexts(model: str, quick: bool) -> list[int]:
@@ -229,8 +233,15 @@ def load_llm(name: str, dtype: str = "float32"):
 
 
 # ---------------------------------------------------------------------------------------------
+def linear_scores(queries: torch.Tensor, summaries: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """The decode node's previous rule: q.center + 0.4 |q|.radius summed over the group's query
+    heads (no softmax), the mean over rows."""
+    scores = block_scores(queries, summaries, LINEAR_RADIUS_WEIGHT).mean(dim=0)
+    return scores.masked_fill(~candidates[None, :], float("-inf"))
+
+
 def bound_max_scores(queries: torch.Tensor, summaries: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """The decode node's rule before 2026-11-30: the min/max upper bound, each block's best row."""
+    """The decode node's first rule: the min/max upper bound, each block's best row."""
     scores = block_scores(queries, summaries).amax(dim=0)
     return scores.masked_fill(~candidates[None, :], float("-inf"))
 
@@ -254,13 +265,16 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
     for layer in range(num_layers):
         summaries = ctx.summaries(layer, candidates.numel() * BLOCK)
         predictions = {
-            "lookahead_perfect": top_blocks(score_blocks(perfect_q[layer, 1:], summaries, candidates), top_k),
+            "lookahead_perfect": top_blocks(score_blocks(perfect_q[layer, 1:], summaries, candidates, scale), top_k),
             "lookahead_ngram": top_blocks(score_blocks(ngram_q[layer, 1:] if ngram else ngram_q[layer, :1], summaries,
-                                                       candidates), top_k),
-            "current": top_blocks(score_blocks(perfect_q[layer, :1], summaries, candidates), top_k),
+                                                       candidates, scale), top_k),
+            "current": top_blocks(score_blocks(perfect_q[layer, :1], summaries, candidates, scale), top_k),
             # Diagnostic: the first true draft row alone (no vote among rows).
-            "perfect_first_draft": top_blocks(score_blocks(perfect_q[layer, 1:2], summaries, candidates), top_k),
-            # The previous rule, for comparison: the upper bound itself, each block's best row.
+            "perfect_first_draft": top_blocks(score_blocks(perfect_q[layer, 1:2], summaries, candidates, scale), top_k),
+            # The previous rules, for comparison: logits summed over the group without a softmax;
+            # the upper bound itself, each block's best row.
+            "lookahead_perfect_linear": top_blocks(linear_scores(perfect_q[layer, 1:], summaries, candidates), top_k),
+            "current_linear": top_blocks(linear_scores(perfect_q[layer, :1], summaries, candidates), top_k),
             "lookahead_perfect_bound": top_blocks(bound_max_scores(perfect_q[layer, 1:], summaries, candidates), top_k),
             "current_bound": top_blocks(bound_max_scores(perfect_q[layer, :1], summaries, candidates), top_k),
         }
@@ -269,7 +283,7 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
             mass = block_attention_mass(true_q, ctx.keys(layer, p + 1), scale, sliding_window[layer])
             mass = mass[:, : candidates.numel()].masked_fill(~candidates[None], 0.0)
             truths = {"exact": top_blocks(mass.masked_fill(~candidates[None], float("-inf")), top_k),
-                      "ranking": top_blocks(score_blocks(true_q[None], summaries, candidates), top_k)}
+                      "ranking": top_blocks(score_blocks(true_q[None], summaries, candidates, scale), top_k)}
             preds = {**predictions, "oracle_ranking": truths["ranking"]}
             for truth, actual in truths.items():
                 for name, predicted in preds.items():

@@ -30,10 +30,13 @@ the real `DecodeEngine` (working set, selection, prefetch, replacement cap, writ
    as one forward over the prompt's KV (read back from the store) with a backend where EVERY
    query row attends to the sinks + its window + its own top-K blocks, chosen either by the
    exact attention mass of that row (`exact`: the best any top-K block selection can do) or by
-   the min/max bound of that row's query (`bound`: sparse-current with a perfect, unlimited
-   fetch). `dense` (keep every block) through the same backend checks it against the engine's
-   dense perplexity. Engine vs `bound` = what the prediction and the per-step replacement cap
-   cost; `bound` vs `exact` = what the bound costs; `exact` vs dense = what the budget costs.
+   the decode node's ranking of that row's query against the min/max summaries (`ranking`,
+   `rank_blocks`: sparse-current with a perfect, unlimited fetch). `--ideal-rules` adds the
+   earlier rankings for comparison: `linear` (logits q.center + 0.4 |q|.radius summed over the
+   group, no softmax) and `bound` (the upper bound itself). `dense` (keep every block) through
+   the same backend checks it against the engine's dense perplexity. Engine vs `ranking` = what
+   the prediction and the per-step replacement cap cost; `ranking` vs `exact` = what the
+   summaries cost; `exact` vs dense = what the budget costs.
 
 Goal at a 2,048-token budget: >= 99% agreement and perplexity within 1% of dense.
 Writes bench/results/sparse_quality_<model>.json and a PNG.
@@ -67,7 +70,7 @@ import oasiskv.decode_node.engine as engine_module  # noqa: E402
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
 from oasiskv.decode_node.engine import DecodeEngine  # noqa: E402
 from oasiskv.decode_node.speculative import Draft, NgramDrafter  # noqa: E402
-from oasiskv.kvstore import KVStore, block_scores, connect, summarize_layer  # noqa: E402
+from oasiskv.kvstore import KVStore, block_scores, connect, rank_blocks, summarize_layer  # noqa: E402
 from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import Prefiller  # noqa: E402
@@ -77,6 +80,8 @@ from bench.lookahead_accuracy import load_llm  # noqa: E402
 
 GOAL_AGREEMENT = 0.99
 GOAL_PPL_RATIO = 1.01
+IDEAL_RULES = ("ranking", "linear", "bound", "exact")
+LINEAR_RADIUS_WEIGHT = 0.4  # the linear rule's best weight (bench/lookahead_accuracy.py)
 
 
 class TeacherForcing:
@@ -143,7 +148,8 @@ class StoredPrompt:
 class IdealSelection:
     """Attention backend for a teacher-forced forward of new rows after a cached prompt
     (slot == position): each row, per KV head, attends to the sinks, its window and its own
-    top-K blocks by `rule` ("exact" attention mass, "bound" of its query, or "dense": all)."""
+    top-K blocks by `rule`: "exact" attention mass; its query's "ranking" (the decode node's),
+    "linear" or "bound" score against the summaries; or "dense": all."""
 
     def __init__(self, cache: PagedKVCache, scale: float, rule: str, budget_blocks: int, sinks: int, window: int):
         self.cache, self.scale, self.rule = cache, scale, rule
@@ -176,7 +182,11 @@ class IdealSelection:
             else:
                 complete = end // bs
                 summaries = summarize_layer(keys[:, : complete * bs].transpose(0, 1), bs)
-                score = block_scores(q.float(), summaries).transpose(0, 1)  # [kv_heads, rows, complete]
+                if self.rule == "ranking":
+                    score = torch.stack([rank_blocks(q[r:r + 1], summaries, self.scale) for r in range(rows)], dim=1)
+                else:
+                    weight = LINEAR_RADIUS_WEIGHT if self.rule == "linear" else 1.0
+                    score = block_scores(q.float(), summaries, weight).transpose(0, 1)  # [kv_heads, rows, complete]
                 score = torch.nn.functional.pad(score, (0, num_blocks - complete), value=float("-inf"))
             score = score.masked_fill(~candidate[None], float("-inf"))
             top = torch.topk(score, min(self.budget_blocks, num_blocks), dim=-1)
@@ -276,9 +286,14 @@ def main(argv=None) -> int:
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--skip-free-running", action="store_true", help="teacher-forced pass only")
     parser.add_argument("--skip-ideal", action="store_true", help="skip the ideal-selection diagnostic")
+    parser.add_argument("--ideal-rules", default="ranking,exact",
+                        help=f"ideal-selection rules, comma-separated, of {','.join(IDEAL_RULES)}")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))
     args = parser.parse_args(argv)
+    unknown = set(args.ideal_rules.split(",")) - set(IDEAL_RULES)
+    if unknown:
+        parser.error(f"--ideal-rules: unknown {sorted(unknown)}; choose from {', '.join(IDEAL_RULES)}")
     args.model = args.model or ("smollm2-135m" if args.quick else "qwen2.5-coder-0.5b")
     args.context = args.context or (2048 if args.quick else 8192)
     args.new_tokens = args.new_tokens or (64 if args.quick else 256)
@@ -330,7 +345,7 @@ def main(argv=None) -> int:
 
     ideal = []
     if not args.skip_ideal:
-        rules = [("dense", None)] + [(rule, b) for rule in ("bound", "exact") for b in budgets]
+        rules = [("dense", None)] + [(rule, b) for rule in args.ideal_rules.split(",") for b in budgets]
         for rule, budget in tqdm(rules, desc="ideal selection (diagnostic)"):
             logprob, argmax = ideal_selection(llm, stored, full, args.context, args.new_tokens, rule, (budget or 16) // 16,
                                               args.sink_blocks, args.window_blocks)
@@ -459,7 +474,7 @@ def _plot(results: dict, axes) -> None:
             ax_agree.plot(xs, [r["prefix_agreement"] for r in mine], marker="x", linestyle="--",
                           label=f"{mode} prefix (free-running)")
         ax_ppl.plot(xs, [r["perplexity_ratio"] for r in mine], marker="o", label=mode)
-    for rule in ("bound", "exact"):
+    for rule in IDEAL_RULES:
         mine = [r for r in results.get("ideal_selection") or [] if r["rule"] == rule]
         if mine:
             ax_ppl.plot([r["budget_tokens"] for r in mine], [r["perplexity_ratio"] for r in mine], marker=".",

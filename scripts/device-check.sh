@@ -8,7 +8,8 @@
 #   1. the `cuda` tests of the Triton sparse-attention kernel against the torch path;
 #   2. bench/attention_kernel.py: torch path vs Triton kernel at decode shapes (JSON + PNG).
 # The engine-level CUDA test (tests/decode_node/test_triton_engine.py) needs the whole install
-# and a model; run it with `pytest -m cuda tests/decode_node` where both are there.
+# and a model, and the block-ranking `cuda` test needs the package's dependencies; run them with
+# `pytest -m cuda tests/decode_node` where both are there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/oasiskv-device}

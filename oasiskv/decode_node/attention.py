@@ -196,7 +196,7 @@ class SparseAttention:
     def _top_blocks(self, req: StepRequest, layer: int, query: torch.Tensor) -> torch.Tensor:
         first, end = self._candidate_range(req)
         budget = min(req.budget_blocks, req.ws.plan.budget)
-        return select_blocks(query, req.summaries[layer], first, end, budget, self.radius_weight)
+        return select_blocks(query, req.summaries[layer], first, end, budget, self.scale, self.radius_weight)
 
     def _select_and_fetch(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]], wait: bool) -> None:
         fetches = []

@@ -25,7 +25,8 @@ class DecodeConfig(BaseModel):
     )
     radius_weight: float = Field(
         RANKING_RADIUS_WEIGHT, ge=0, le=1,
-        description="blocks are ranked by q.center + w |q|.radius of their min/max key summary (1: the upper bound)",
+        description="a block's estimated logit is q.center + w |q|.radius of its min/max key summary (1: the upper "
+        "bound); blocks are ranked by the softmax share of it, summed over the query heads of a KV group",
     )
     summary_read_dtype: Literal["float32", "bfloat16"] = Field(
         "bfloat16", description="key summaries are read from the store in this dtype; bfloat16 moves half the bytes "

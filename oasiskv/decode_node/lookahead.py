@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kvstore import RANKING_RADIUS_WEIGHT, block_scores
+from ..kvstore import RANKING_RADIUS_WEIGHT, rank_blocks
 from .working_set import EMPTY, WorkingSet
 
 
@@ -27,19 +27,20 @@ class FetchPlan:
         return len(self.blocks)
 
 
-def score_blocks(queries: torch.Tensor, summaries: torch.Tensor, candidates: torch.Tensor,
+def score_blocks(queries: torch.Tensor, summaries: torch.Tensor, candidates: torch.Tensor, scale: float,
                  radius_weight: float = RANKING_RADIUS_WEIGHT) -> torch.Tensor:
-    """queries [rows, q_heads, d]; summaries [kv_heads, blocks, 2, d] -> [kv_heads, blocks].
+    """queries [rows, q_heads, d]; summaries [kv_heads, blocks, 2, d] -> [kv_heads, blocks]: the
+    attention each candidate block can expect (`rank_blocks` over the candidates only, so the
+    others take no share of the softmax); non-candidates get -inf. Several query rows (the
+    drafts) are averaged: measured, 1-2 points more recall of the next step's exact top-K than
+    each block's best row."""
+    scores = torch.full((summaries.shape[0], summaries.shape[1]), float("-inf"), device=summaries.device)
+    chosen = candidates.nonzero().squeeze(1)
+    scores[:, chosen] = rank_blocks(queries, summaries[:, chosen], scale, radius_weight)
+    return scores
 
-    Several query rows (the drafts) vote by their mean score (measured: 1-2 points more recall of
-    the next step's exact top-K than each block's best row); non-candidates get -inf. Equals
-    `block_scores(queries, summaries, radius_weight).mean(0)`: the score is linear in the
-    group-summed q and |q|, so the rows are averaged first and the summaries are read once, as
-    lo . (q - w|q|)/2 + hi . (q + w|q|)/2."""
-    return _mean_scores(queries, summaries, radius_weight).masked_fill(~candidates[None, :], float("-inf"))
 
-
-def select_blocks(queries: torch.Tensor, summaries: torch.Tensor, first: int, end: int, k: int,
+def select_blocks(queries: torch.Tensor, summaries: torch.Tensor, first: int, end: int, k: int, scale: float,
                   radius_weight: float = RANKING_RADIUS_WEIGHT) -> torch.Tensor:
     """The top-k blocks ([kv_heads, k'], best first) among the candidates first..end-1, ranked as
     `score_blocks` ranks them. The decode node's candidates are always one run of blocks (after
@@ -47,23 +48,8 @@ def select_blocks(queries: torch.Tensor, summaries: torch.Tensor, first: int, en
     k = min(k, end - first)
     if k <= 0:
         return torch.empty((summaries.shape[0], 0), dtype=torch.long)
-    scores = _mean_scores(queries, summaries[:, first:end], radius_weight)
+    scores = rank_blocks(queries, summaries[:, first:end], scale, radius_weight)
     return torch.topk(scores, k, dim=-1).indices + first
-
-
-def _mean_scores(queries: torch.Tensor, summaries: torch.Tensor, radius_weight: float) -> torch.Tensor:
-    kv_heads, num_blocks, two, head_dim = summaries.shape
-    if two != 2 or queries.shape[-1] != head_dim or queries.shape[-2] % kv_heads:
-        return block_scores(queries, summaries, radius_weight).mean(dim=0)  # raises with the shapes
-    q = queries.float().reshape(queries.shape[0], kv_heads, -1, head_dim)
-    q_sum = q.sum(dim=2).mean(dim=0)  # [kv_heads, d]
-    q_abs = q.abs().sum(dim=2).mean(dim=0) * radius_weight
-    weights = torch.cat(((q_sum - q_abs) * 0.5, (q_sum + q_abs) * 0.5), dim=1)  # [kv_heads, 2d], lo then hi
-    flat = summaries.float().reshape(kv_heads, num_blocks, 2 * head_dim)
-    # One BLAS matrix-vector product per KV head. A broadcast multiply-and-sum is an elementwise
-    # op that torch splits across OpenMP threads: waking them cost 7 ms per call on this busy
-    # 2-core machine (passive waiting), against 0.01 ms for `mv`; bmm was 4x slower than `mv`.
-    return torch.stack([torch.mv(flat[head], weights[head]) for head in range(kv_heads)])
 
 
 def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Public API:
     KVLayout, KVStoreConfig, KVStore, KVStoreServer, KVStoreClient, connect, TransferHandle,
-    summarize_keys / summarize_layer / summarize_request / block_scores / narrow_summaries, pack_layer / pack_request,
+    summarize_keys / summarize_layer / summarize_request / block_scores / rank_blocks / narrow_summaries, pack_layer / pack_request,
     errors (StoreFull, UnknownRequest, ...), launch_store_actor (Ray).
 """
 
@@ -30,6 +30,7 @@ from .summary import (
     RANKING_RADIUS_WEIGHT,
     block_scores,
     narrow_summaries,
+    rank_blocks,
     summarize_keys,
     summarize_layer,
     summarize_request,
@@ -41,6 +42,6 @@ __all__ = [
     "KVStoreConfig", "KVStoreError", "KVStoreServer", "ProtocolError", "RemoteError", "RequestExists",
     "RequestInfo", "StoreFull", "StoreStats", "StoreTimeout", "StoreUnavailable", "TransferError",
     "TransferHandle", "UnknownRequest", "alloc_host_buffer", "block_scores", "connect",
-    "launch_store_actor", "narrow_summaries", "pack_layer", "pack_request", "summarize_keys", "summarize_layer",
+    "launch_store_actor", "narrow_summaries", "pack_layer", "pack_request", "rank_blocks", "summarize_keys", "summarize_layer",
     "summarize_request", "unpack_units",
 ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kvstore import RANKING_RADIUS_WEIGHT, KVLayout, block_scores, pack_layer, summarize_layer
+from ..kvstore import KVLayout, pack_layer, rank_blocks, summarize_layer
 from ..models.attention import AttentionBatch, PagedAttention
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
 from ..models.sampling import SamplingParams, make_generator, sample
@@ -99,7 +99,7 @@ class Prefiller:
             handles.append(self.client.write_layer(request_id, layer, pack_layer(keys, values, layout.block_size).cpu()))
             if top_k:
                 summaries = summarize_layer(keys, layout.block_size)  # same bound the store keeps
-                scores = block_scores(last_query, summaries[:, candidates.start : candidates.stop], RANKING_RADIUS_WEIGHT)[0]
+                scores = rank_blocks(last_query, summaries[:, candidates.start : candidates.stop], config.softmax_scale)
                 selection[layer] = torch.topk(scores, top_k, dim=-1).indices + candidates.start
 
         backend = _CapturingAttention(cache, config.sliding_window, config.softmax_scale, ship_layer)
