@@ -76,12 +76,11 @@ from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import Prefiller  # noqa: E402
 
 from bench.common import real_text_token_ids, write_results  # noqa: E402
-from bench.lookahead_accuracy import load_llm  # noqa: E402
+from bench.lookahead_accuracy import LINEAR_RADIUS_WEIGHT, load_llm  # noqa: E402
 
 GOAL_AGREEMENT = 0.99
 GOAL_PPL_RATIO = 1.01
 IDEAL_RULES = ("ranking", "linear", "bound", "exact")
-LINEAR_RADIUS_WEIGHT = 0.4  # the linear rule's best weight (bench/lookahead_accuracy.py)
 
 
 class TeacherForcing:
