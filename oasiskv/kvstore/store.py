@@ -311,7 +311,7 @@ class KVStore:
             size = layout.summary_bytes_per_block
             src = request.table[first_block:first_block + count] + layout.kv_bytes_per_block
             copy_units(self.base, src, out.data_ptr(), np.arange(count, dtype=np.int64) * size, size)
-        return narrow_summaries(out.permute(1, 2, 0, 3, 4), dtype).contiguous()
+        return narrow_summaries(out.permute(1, 2, 0, 3, 4).contiguous(), dtype)
 
     def record_read(self, units: int, nbytes: int, transport: str) -> None:
         self.metrics.blocks_read.labels(transport).inc(units)
