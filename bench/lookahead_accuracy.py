@@ -28,10 +28,19 @@ averaged first, summed over the query heads of the KV group):
   - oracle_ranking: the target query itself through the ranking (the best any summary-based
     predictor with this ranking can do; it isolates the ranking's loss from the prediction's);
   - perfect_first_draft (diagnostic): the first true draft row alone;
-  - lookahead_perfect_linear / current_linear: the previous rule, the logits
-    q.center + 0.4 |q|.radius summed over the group's heads without a softmax;
-  - lookahead_perfect_bound / current_bound: the rule before that, the min/max upper bound
-    itself (radius weight 1), each block's best row.
+  - lookahead_perfect_linear: the previous rule, the logits q.center + 0.4 |q|.radius summed
+    over the group's heads without a softmax;
+  - lookahead_perfect_bound: the rule before that, the min/max upper bound itself (radius
+    weight 1), each block's best row.
+Ceilings and what a richer summary would buy (diagnostics, not in the decode node):
+  - lookahead_perfect_exact_keys / current_exact_keys: the same queries' exact attention over
+    every key (< t), as if all keys were resident: the best any predictor from these queries can
+    do, whatever the summary. The gap to 100% is the prediction's; the gap to the summary-based
+    row is the summary's;
+  - lookahead_perfect_sketch1 / _sketch2: attention over keys rebuilt from the min/max box plus
+    1 or 2 bits per key element (which half / quarter of the box each value lies in). 1 bit
+    costs 16 x d bits per block and KV head on top of the box: 1.5x the bf16 summary bytes; 2
+    bits double them.
 
 Truth (the set to recall), per layer and KV head:
   - exact: top-K blocks by the exact attention weights of the true query at the target position
@@ -86,7 +95,8 @@ BLOCK = 16
 PAPER = {"lookahead": 0.9874, "current": 0.839}
 GOAL = 0.987
 PREDICTORS = ("lookahead_perfect", "lookahead_ngram", "current", "oracle_ranking", "perfect_first_draft",
-              "lookahead_perfect_linear", "current_linear", "lookahead_perfect_bound", "current_bound")
+              "lookahead_perfect_linear", "lookahead_perfect_bound", "lookahead_perfect_exact_keys",
+              "current_exact_keys", "lookahead_perfect_sketch1", "lookahead_perfect_sketch2")
 TRUTHS = ("exact", "ranking", "mass")
 LINEAR_RADIUS_WEIGHT = 0.4  # the best weight for the linear rule, measured
 
@@ -246,6 +256,37 @@ def bound_max_scores(queries: torch.Tensor, summaries: torch.Tensor, candidates:
     return scores.masked_fill(~candidates[None, :], float("-inf"))
 
 
+def sketch_keys(keys: torch.Tensor, summaries: torch.Tensor, bits: int) -> torch.Tensor:
+    """Keys [kv_heads, blocks * 16, d] as a summary with `bits` per key element would rebuild them:
+    each element is the middle of the 2**bits equal slices of its block's [min, max] box
+    (`summaries` [kv_heads, blocks, 2, d]) that it lies in."""
+    kv_heads, length, d = keys.shape
+    blocks = summaries.shape[1]
+    per_block = keys.float().view(kv_heads, blocks, BLOCK, d)
+    lo, hi = summaries[:, :, None, 0], summaries[:, :, None, 1]
+    levels = 2 ** bits
+    step = (hi - lo) / levels
+    slice_index = ((per_block - lo) / step.clamp_min(1e-30)).floor().clamp(0, levels - 1)
+    return (lo + (slice_index + 0.5) * step).view(kv_heads, length, d)
+
+
+def rows_block_mass(queries: torch.Tensor, keys: torch.Tensor, scale: float, candidates: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """queries [rows, heads, d], keys [kv_heads, L, d] -> [kv_heads, blocks]: the rows' mean attention
+    mass per block (summed over each group's heads). With `candidates` ([blocks] bool, L = 16 x
+    blocks) the softmax runs over the candidate blocks' keys only, as a node holding only their
+    summaries would compute it; non-candidates get -inf."""
+    if candidates is None:
+        return torch.stack([block_attention_mass(row, keys, scale) for row in queries]).mean(dim=0)
+    kv_heads, _, d = keys.shape
+    q = queries.float().view(queries.shape[0], kv_heads, -1, d)
+    logits = torch.einsum("rhgd,hld->rhgl", q, keys.float()) * scale
+    logits = logits.masked_fill(~candidates.repeat_interleave(BLOCK), float("-inf"))
+    mass = torch.softmax(logits, dim=-1).sum(dim=2).mean(dim=0)  # [kv_heads, L]
+    mass = mass.view(kv_heads, -1, BLOCK).sum(-1)
+    return mass.masked_fill(~candidates, float("-inf"))
+
+
 def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int, window: int, drafter: NgramDrafter,
                       scale: float, sliding_window) -> dict:
     ids = ctx.ids
@@ -264,6 +305,9 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
     out = {f"{truth}/{target}/{pred}": [] for truth in TRUTHS for target in targets for pred in PREDICTORS}
     for layer in range(num_layers):
         summaries = ctx.summaries(layer, candidates.numel() * BLOCK)
+        keys_before_t = ctx.keys(layer, t)
+        candidate_keys = ctx.keys(layer, candidates.numel() * BLOCK)
+        only_candidates = candidates[None]
         predictions = {
             "lookahead_perfect": top_blocks(score_blocks(perfect_q[layer, 1:], summaries, candidates, scale), top_k),
             "lookahead_ngram": top_blocks(score_blocks(ngram_q[layer, 1:] if ngram else ngram_q[layer, :1], summaries,
@@ -274,10 +318,15 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
             # The previous rules, for comparison: logits summed over the group without a softmax;
             # the upper bound itself, each block's best row.
             "lookahead_perfect_linear": top_blocks(linear_scores(perfect_q[layer, 1:], summaries, candidates), top_k),
-            "current_linear": top_blocks(linear_scores(perfect_q[layer, :1], summaries, candidates), top_k),
             "lookahead_perfect_bound": top_blocks(bound_max_scores(perfect_q[layer, 1:], summaries, candidates), top_k),
-            "current_bound": top_blocks(bound_max_scores(perfect_q[layer, :1], summaries, candidates), top_k),
         }
+        for name, rows in (("lookahead_perfect_exact_keys", perfect_q[layer, 1:]), ("current_exact_keys", perfect_q[layer, :1])):
+            mass = rows_block_mass(rows, keys_before_t, scale)[:, : candidates.numel()]
+            predictions[name] = top_blocks(mass.masked_fill(~only_candidates, float("-inf")), top_k)
+        for bits in (1, 2):
+            sketched = sketch_keys(candidate_keys, summaries, bits)
+            predictions[f"lookahead_perfect_sketch{bits}"] = top_blocks(
+                rows_block_mass(perfect_q[layer, 1:], sketched, scale, candidates), top_k)
         for target, p in targets.items():
             true_q = ctx.queries[p][layer]
             mass = block_attention_mass(true_q, ctx.keys(layer, p + 1), scale, sliding_window[layer])
@@ -391,11 +440,11 @@ def print_table(results: dict) -> None:
         print(f"\ncontext {row['context']} tokens, {len(row['positions'])} positions, {row['candidate_blocks']} candidate "
               f"blocks; n-gram acceptance {acc if acc is None else f'{acc:.0%}'}, no draft at "
               f"{row['ngram_no_draft_fraction']:.0%} of positions")
-        print(f"  {'predictor':<20}" + "".join(f"{c:>18}" for c in cols) + f"{'min/pos (exact nt)':>20}")
+        print(f"  {'predictor':<30}" + "".join(f"{c:>20}" for c in cols) + f"{'min/pos (exact nt)':>20}")
         for pred in PREDICTORS:
-            cells = "".join(f"{row['recall_mean'][f'{c}/{pred}']:>18.2%}" for c in cols)
+            cells = "".join(f"{row['recall_mean'][f'{c}/{pred}']:>20.2%}" for c in cols)
             worst = row["recall_min_over_positions"][f"exact/next_token/{pred}"]
-            print(f"  {pred:<20}{cells}{worst:>20.2%}")
+            print(f"  {pred:<30}{cells}{worst:>20.2%}")
         look = row["recall_mean"]["exact/next_token/lookahead_perfect"]
         cur = row["recall_mean"]["exact/next_token/current"]
         print(f"  lookahead/current (exact, next token): {look / cur:.3f}x; paper {PAPER['lookahead']:.2%} vs "
@@ -405,26 +454,35 @@ def print_table(results: dict) -> None:
 def _plot(results: dict, axes) -> None:
     ax_layers, ax_bars = axes
     last = results["contexts"][-1]
-    for pred in PREDICTORS:
+    colors = plt_colors(len(PREDICTORS))
+    for pred, color in zip(PREDICTORS, colors):
         values = last["recall_per_layer"][f"exact/next_token/{pred}"]
-        ax_layers.plot(range(len(values)), values, marker=".", label=pred)
+        ax_layers.plot(range(len(values)), values, marker=".", label=pred, color=color)
     ax_layers.set_title(f"per layer, context {last['context']} (exact, next token)")
     ax_layers.set_xlabel("layer")
     ax_layers.set_ylabel("recall of true top-K")
-    ax_layers.legend(fontsize=8)
+    ax_layers.legend(fontsize=7)
     width, positions = grouped_bar_positions(len(PREDICTORS), len(results["contexts"]))
-    for i, (pred, xs) in enumerate(zip(PREDICTORS, positions)):
-        ax_bars.bar(xs, [r["recall_mean"][f"ranking/next_token/{pred}"] for r in results["contexts"]], width, label=pred,
-                    color=f"C{i}")
-        ax_bars.scatter(xs, [r["recall_mean"][f"exact/next_token/{pred}"] for r in results["contexts"]], marker="_",
-                        s=200, color="k", zorder=3, label="truth = exact attention" if i == 0 else None)
+    for i, (pred, xs, color) in enumerate(zip(PREDICTORS, positions, colors)):
+        ax_bars.bar(xs, [r["recall_mean"][f"exact/next_token/{pred}"] for r in results["contexts"]], width, label=pred,
+                    color=color)
+        ax_bars.scatter(xs, [r["recall_mean"][f"mass/next_token/{pred}"] for r in results["contexts"]], marker="_",
+                        s=200, color="k", zorder=3, label="attention mass held" if i == 0 else None)
     ax_bars.axhline(PAPER["lookahead"], color="k", linestyle="--", linewidth=1, label="paper look-ahead")
     ax_bars.axhline(PAPER["current"], color="gray", linestyle=":", linewidth=1, label="paper current")
     ax_bars.set_xticks(range(len(results["contexts"])), [str(r["context"]) for r in results["contexts"]])
     ax_bars.set_xlabel("context tokens")
     ax_bars.set_ylim(0, 1.45)
-    ax_bars.set_title("mean over layers, next token (bars: truth = the node's ranking)")
+    ax_bars.set_title("mean over layers, next token (bars: recall of the exact top-K)")
     ax_bars.legend(fontsize=6, loc="upper center", ncol=3)
+
+
+def plt_colors(count: int) -> list:
+    """`count` distinct colors (the default cycle repeats after 10)."""
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    return [cmap(i % 20) for i in range(count)]
 
 
 if __name__ == "__main__":
