@@ -33,7 +33,9 @@ the real `DecodeEngine` (working set, selection, prefetch, replacement cap, writ
    the decode node's ranking of that row's query against the min/max summaries (`ranking`,
    `rank_blocks`: sparse-current with a perfect, unlimited fetch). `--ideal-rules` adds the
    earlier rankings for comparison: `linear` (logits q.center + 0.4 |q|.radius summed over the
-   group, no softmax) and `bound` (the upper bound itself). `dense` (keep every block) through
+   group, no softmax) and `bound` (the upper bound itself); and what a richer summary would buy:
+   `sketch1` / `sketch2`, the row's attention over keys rebuilt from the min/max box plus 1 or 2
+   bits per key element (`bench.lookahead_accuracy.sketch_keys`). `dense` (keep every block) through
    the same backend checks it against the engine's dense perplexity. Engine vs `ranking` = what
    the prediction and the per-step replacement cap cost; `ranking` vs `exact` = what the
    summaries cost; `exact` vs dense = what the budget costs.
@@ -76,11 +78,11 @@ from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import Prefiller  # noqa: E402
 
 from bench.common import real_text_token_ids, write_results  # noqa: E402
-from bench.lookahead_accuracy import LINEAR_RADIUS_WEIGHT, load_llm  # noqa: E402
+from bench.lookahead_accuracy import LINEAR_RADIUS_WEIGHT, load_llm, sketch_keys  # noqa: E402
 
 GOAL_AGREEMENT = 0.99
 GOAL_PPL_RATIO = 1.01
-IDEAL_RULES = ("ranking", "linear", "bound", "exact")
+IDEAL_RULES = ("ranking", "linear", "bound", "sketch1", "sketch2", "exact")
 
 
 class TeacherForcing:
@@ -148,7 +150,8 @@ class IdealSelection:
     """Attention backend for a teacher-forced forward of new rows after a cached prompt
     (slot == position): each row, per KV head, attends to the sinks, its window and its own
     top-K blocks by `rule`: "exact" attention mass; its query's "ranking" (the decode node's),
-    "linear" or "bound" score against the summaries; or "dense": all."""
+    "linear" or "bound" score against the summaries; its attention over "sketch1" / "sketch2"
+    keys (box + 1 or 2 bits per element); or "dense": all."""
 
     def __init__(self, cache: PagedKVCache, scale: float, rule: str, budget_blocks: int, sinks: int, window: int):
         self.cache, self.scale, self.rule = cache, scale, rule
@@ -181,7 +184,14 @@ class IdealSelection:
             else:
                 complete = end // bs
                 summaries = summarize_layer(keys[:, : complete * bs].transpose(0, 1), bs)
-                if self.rule == "ranking":
+                if self.rule.startswith("sketch"):
+                    sketched = sketch_keys(keys[:, : complete * bs], summaries, int(self.rule.removeprefix("sketch")))
+                    approx = torch.einsum("hrgd,hld->hrgl", qg, sketched) * self.scale
+                    seen = candidate[:, :complete].repeat_interleave(bs, dim=-1)  # [rows, complete * bs]
+                    approx = approx.masked_fill(~seen[None, :, None, :], float("-inf"))
+                    # A row with no candidate softmaxes only -inf (NaN); the candidate mask drops it below.
+                    score = torch.softmax(approx, dim=-1).sum(dim=2).view(kv_heads, rows, complete, bs).sum(-1)
+                elif self.rule == "ranking":
                     score = torch.stack([rank_blocks(q[r:r + 1], summaries, self.scale) for r in range(rows)], dim=1)
                 else:
                     weight = LINEAR_RADIUS_WEIGHT if self.rule == "linear" else 1.0
