@@ -307,7 +307,6 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
         summaries = ctx.summaries(layer, candidates.numel() * BLOCK)
         keys_before_t = ctx.keys(layer, t)
         candidate_keys = ctx.keys(layer, candidates.numel() * BLOCK)
-        only_candidates = candidates[None]
         predictions = {
             "lookahead_perfect": top_blocks(score_blocks(perfect_q[layer, 1:], summaries, candidates, scale), top_k),
             "lookahead_ngram": top_blocks(score_blocks(ngram_q[layer, 1:] if ngram else ngram_q[layer, :1], summaries,
@@ -322,7 +321,7 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
         }
         for name, rows in (("lookahead_perfect_exact_keys", perfect_q[layer, 1:]), ("current_exact_keys", perfect_q[layer, :1])):
             mass = rows_block_mass(rows, keys_before_t, scale)[:, : candidates.numel()]
-            predictions[name] = top_blocks(mass.masked_fill(~only_candidates, float("-inf")), top_k)
+            predictions[name] = top_blocks(mass.masked_fill(~candidates[None], float("-inf")), top_k)
         for bits in (1, 2):
             sketched = sketch_keys(candidate_keys, summaries, bits)
             predictions[f"lookahead_perfect_sketch{bits}"] = top_blocks(
@@ -454,7 +453,7 @@ def print_table(results: dict) -> None:
 def _plot(results: dict, axes) -> None:
     ax_layers, ax_bars = axes
     last = results["contexts"][-1]
-    colors = plt_colors(len(PREDICTORS))
+    colors = distinct_colors(len(PREDICTORS))
     for pred, color in zip(PREDICTORS, colors):
         values = last["recall_per_layer"][f"exact/next_token/{pred}"]
         ax_layers.plot(range(len(values)), values, marker=".", label=pred, color=color)
@@ -477,7 +476,7 @@ def _plot(results: dict, axes) -> None:
     ax_bars.legend(fontsize=6, loc="upper center", ncol=3)
 
 
-def plt_colors(count: int) -> list:
+def distinct_colors(count: int) -> list:
     """`count` distinct colors (the default cycle repeats after 10)."""
     import matplotlib
 
