@@ -59,8 +59,9 @@ sys.path.insert(0, str(ROOT.parent))
 import oasiskv.decode_node.engine as engine_module  # noqa: E402
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
 from oasiskv.decode_node.engine import DecodeEngine  # noqa: E402
+from oasiskv.decode_node.lookahead import select_blocks  # noqa: E402
 from oasiskv.decode_node.speculative import NgramDrafter  # noqa: E402
-from oasiskv.kvstore import connect, rank_blocks  # noqa: E402
+from oasiskv.kvstore import connect  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import PrefillResult, kv_layout_for  # noqa: E402
 
@@ -135,13 +136,10 @@ class PromptSet:
         """[layers, kv_heads, k] first working set from the last prompt row's queries (as Prefiller)."""
         num_blocks = length // BLOCK
         start, stop = self.sinks, max(self.sinks, num_blocks - self.window)
-        top_k = min(budget_blocks, stop - start)
         query = self.ctx.queries[length - 1]
-        out = torch.empty((self.num_layers, self.layout.num_kv_heads, top_k), dtype=torch.long)
-        for layer in range(self.num_layers):
-            scores = rank_blocks(query[layer][None], self.summaries[layer][:, start:stop], self.ctx.model.config.softmax_scale)
-            out[layer] = torch.topk(scores, top_k, dim=-1).indices + start
-        return out
+        scale = self.ctx.model.config.softmax_scale
+        return torch.stack([select_blocks(query[layer][None], self.summaries[layer], start, stop, budget_blocks, scale)
+                            for layer in range(self.num_layers)])
 
     def write(self, client, request_id: str, length: int, budget_blocks: int) -> PrefillResult:
         """Put the prompt's KV in the store under request_id (what the prefill node does)."""
