@@ -61,7 +61,7 @@ from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
 from oasiskv.decode_node.engine import DecodeEngine  # noqa: E402
 from oasiskv.decode_node.lookahead import select_blocks  # noqa: E402
 from oasiskv.decode_node.speculative import NgramDrafter  # noqa: E402
-from oasiskv.kvstore import connect  # noqa: E402
+from oasiskv.kvstore import connect, ranking_radius_weight  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import PrefillResult, kv_layout_for  # noqa: E402
 
@@ -121,7 +121,9 @@ class PromptSet:
         model = ctx.model
         self.num_layers = model.config.num_layers
         # The prefill node scores its own exact float32 summaries, not the store's narrowed ones.
-        self.summaries = [ctx.summaries(layer, len(ctx.ids), torch.float32) for layer in range(self.num_layers)]
+        self.summaries = [ctx.summaries(layer, len(ctx.ids), torch.float32, layout.summary_kind)
+                          for layer in range(self.num_layers)]
+        self.radius_weight = ranking_radius_weight(layout.summary_kind)
         self.packed = ctx.packed_kv(len(ctx.ids) // BLOCK)  # complete blocks; prompts end on a block
         self._first: dict[int, int] = {}
 
@@ -138,7 +140,8 @@ class PromptSet:
         start, stop = self.sinks, max(self.sinks, num_blocks - self.window)
         query = self.ctx.queries[length - 1]
         scale = self.ctx.model.config.softmax_scale
-        return torch.stack([select_blocks(query[layer][None], self.summaries[layer], start, stop, budget_blocks, scale)
+        return torch.stack([select_blocks(query[layer][None], self.summaries[layer], start, stop, budget_blocks, scale,
+                                                  self.radius_weight)
                             for layer in range(self.num_layers)])
 
     def write(self, client, request_id: str, length: int, budget_blocks: int) -> PrefillResult:

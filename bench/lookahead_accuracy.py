@@ -20,9 +20,10 @@ positions < t (the draft rows' K/V go to scratch slots), once per drafter:
     decode node does (when it proposes nothing the current query is used, as the node does).
 
 Predictors, each the top-K (K = budget / 16 blocks, per layer and KV head) of `score_blocks`
-(the decode node's own ranking, `rank_blocks`: per query head, the softmax over the candidate
+(the decode node's ranking, `rank_blocks`: per query head, the softmax over the candidate
 blocks of scale * (q.center + 0.2 |q|.radius) of their min/max key summary, the query rows
-averaged first, summed over the query heads of the KV group):
+averaged first, summed over the query heads of the KV group). These rows use `minmax`
+summaries; the node's default, `moments`, is in the *_moments rows below:
   - lookahead_perfect / lookahead_ngram: the draft rows' queries of that drafter's pass;
   - current: the query at position t (row 0; what `sparse-current` uses);
   - oracle_ranking: the target query itself through the ranking (the best any summary-based
@@ -41,13 +42,17 @@ Ceilings and what a richer summary would buy (diagnostics, not in the decode nod
     1 or 2 bits per key element (which half / quarter of the box each value lies in). 1 bit
     costs 16 x d bits per block and KV head on top of the box: 1.5x the bf16 summary bytes; 2
     bits double them.
+The default summary kind (`KVLayout.summary_kind = "moments"`: mean +- std per element, the
+same bytes as min/max), ranked by the same rule with its radius weight (0.5):
+  - lookahead_perfect_moments / lookahead_ngram_moments / current_moments.
 
 Truth (the set to recall), per layer and KV head:
   - exact: top-K blocks by the exact attention weights of the true query at the target position
     (softmax over every key up to it), summed over the query heads of the KV group and over the
     block's tokens;
-  - ranking: top-K by the node's ranking of that true query (what the decode node itself would
-    select with the real next query; the definition its `prediction_recall` counter uses);
+  - ranking: top-K by the min/max ranking of that true query (what a decode node on min/max
+    summaries would select with the real next query; the definition its `prediction_recall`
+    counter uses);
   - mass (not a set recall): the exact attention mass the predicted blocks hold, as a share of
     the mass the exact top-K holds (how much of what matters a predictor keeps).
 Targets: next_token = position t+1 (the next query if one token is emitted); next_step =
@@ -85,7 +90,7 @@ sys.path.insert(0, str(ROOT.parent))
 
 from oasiskv.decode_node.lookahead import recall, score_blocks, top_blocks  # noqa: E402
 from oasiskv.decode_node.speculative import NgramDrafter  # noqa: E402
-from oasiskv.kvstore import block_scores, narrow_summaries, summarize_layer  # noqa: E402
+from oasiskv.kvstore import block_scores, narrow_summaries, ranking_radius_weight, summarize_layer  # noqa: E402
 from oasiskv.models.attention import AttentionBatch, PagedAttention  # noqa: E402
 from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 
@@ -96,9 +101,11 @@ PAPER = {"lookahead": 0.9874, "current": 0.839}
 GOAL = 0.987
 PREDICTORS = ("lookahead_perfect", "lookahead_ngram", "current", "oracle_ranking", "perfect_first_draft",
               "lookahead_perfect_linear", "lookahead_perfect_bound", "lookahead_perfect_exact_keys",
-              "current_exact_keys", "lookahead_perfect_sketch1", "lookahead_perfect_sketch2")
+              "current_exact_keys", "lookahead_perfect_sketch1", "lookahead_perfect_sketch2",
+              "lookahead_perfect_moments", "lookahead_ngram_moments", "current_moments")
 TRUTHS = ("exact", "ranking", "mass")
 LINEAR_RADIUS_WEIGHT = 0.4  # the best weight for the linear rule, measured
+MINMAX_WEIGHT = ranking_radius_weight("minmax")
 
 
 def default_contexts(model: str, quick: bool) -> list[int]:
@@ -194,11 +201,11 @@ class DenseContext:
     def values(self, layer: int, end: int) -> torch.Tensor:
         return self.cache.v[layer][:, :end]
 
-    def summaries(self, layer: int, end: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """[kv_heads, blocks, 2, d] min/max key summaries of positions < end, as the decode node
-        sees them: read from the store in `dtype` (default summary_dtype; rounded outward),
+    def summaries(self, layer: int, end: int, dtype: torch.dtype | None = None, kind: str = "minmax") -> torch.Tensor:
+        """[kv_heads, blocks, 2, d] key summaries (of `kind`) of positions < end, as the decode
+        node sees them: read from the store in `dtype` (default summary_dtype; rounded outward),
         widened to float32."""
-        exact = summarize_layer(self.keys(layer, end).transpose(0, 1), BLOCK)
+        exact = summarize_layer(self.keys(layer, end).transpose(0, 1), BLOCK, kind)
         return narrow_summaries(exact, dtype or self.summary_dtype).float()
 
     def packed_kv(self, num_blocks: int) -> torch.Tensor:
@@ -304,16 +311,16 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
     num_layers = perfect_q.shape[0]
     out = {f"{truth}/{target}/{pred}": [] for truth in TRUTHS for target in targets for pred in PREDICTORS}
     for layer in range(num_layers):
-        summaries = ctx.summaries(layer, candidates.numel() * BLOCK)
+        summaries = ctx.summaries(layer, candidates.numel() * BLOCK, kind="minmax")
         keys_before_t = ctx.keys(layer, t)
         candidate_keys = ctx.keys(layer, candidates.numel() * BLOCK)
         predictions = {
-            "lookahead_perfect": top_blocks(score_blocks(perfect_q[layer, 1:], summaries, candidates, scale), top_k),
+            "lookahead_perfect": top_blocks(score_blocks(perfect_q[layer, 1:], summaries, candidates, scale, MINMAX_WEIGHT), top_k),
             "lookahead_ngram": top_blocks(score_blocks(ngram_q[layer, 1:] if ngram else ngram_q[layer, :1], summaries,
-                                                       candidates, scale), top_k),
-            "current": top_blocks(score_blocks(perfect_q[layer, :1], summaries, candidates, scale), top_k),
+                                                       candidates, scale, MINMAX_WEIGHT), top_k),
+            "current": top_blocks(score_blocks(perfect_q[layer, :1], summaries, candidates, scale, MINMAX_WEIGHT), top_k),
             # Diagnostic: the first true draft row alone (no vote among rows).
-            "perfect_first_draft": top_blocks(score_blocks(perfect_q[layer, 1:2], summaries, candidates, scale), top_k),
+            "perfect_first_draft": top_blocks(score_blocks(perfect_q[layer, 1:2], summaries, candidates, scale, MINMAX_WEIGHT), top_k),
             # The previous rules, for comparison: logits summed over the group without a softmax;
             # the upper bound itself, each block's best row.
             "lookahead_perfect_linear": top_blocks(linear_scores(perfect_q[layer, 1:], summaries, candidates), top_k),
@@ -322,6 +329,12 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
         for name, rows in (("lookahead_perfect_exact_keys", perfect_q[layer, 1:]), ("current_exact_keys", perfect_q[layer, :1])):
             mass = rows_block_mass(rows, keys_before_t, scale)[:, : candidates.numel()]
             predictions[name] = top_blocks(mass.masked_fill(~candidates[None], float("-inf")), top_k)
+        moments = ctx.summaries(layer, candidates.numel() * BLOCK, kind="moments")
+        weight = ranking_radius_weight("moments")
+        for name, rows in (("lookahead_perfect_moments", perfect_q[layer, 1:]),
+                           ("lookahead_ngram_moments", ngram_q[layer, 1:] if ngram else ngram_q[layer, :1]),
+                           ("current_moments", perfect_q[layer, :1])):
+            predictions[name] = top_blocks(score_blocks(rows, moments, candidates, scale, weight), top_k)
         for bits in (1, 2):
             sketched = sketch_keys(candidate_keys, summaries, bits)
             predictions[f"lookahead_perfect_sketch{bits}"] = top_blocks(
@@ -331,7 +344,7 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
             mass = block_attention_mass(true_q, ctx.keys(layer, p + 1), scale, sliding_window[layer])
             mass = mass[:, : candidates.numel()].masked_fill(~candidates[None], 0.0)
             truths = {"exact": top_blocks(mass.masked_fill(~candidates[None], float("-inf")), top_k),
-                      "ranking": top_blocks(score_blocks(true_q[None], summaries, candidates, scale), top_k)}
+                      "ranking": top_blocks(score_blocks(true_q[None], summaries, candidates, scale, MINMAX_WEIGHT), top_k)}
             preds = {**predictions, "oracle_ranking": truths["ranking"]}
             for truth, actual in truths.items():
                 for name, predicted in preds.items():

@@ -31,7 +31,8 @@ the real `DecodeEngine` (working set, selection, prefetch, replacement cap, writ
    query row attends to the sinks + its window + its own top-K blocks, chosen either by the
    exact attention mass of that row (`exact`: the best any top-K block selection can do) or by
    the decode node's ranking of that row's query against the min/max summaries (`ranking`,
-   `rank_blocks`: sparse-current with a perfect, unlimited fetch). `--ideal-rules` adds the
+   `rank_blocks`: sparse-current with a perfect, unlimited fetch; `moments`: the same over
+   mean +- std summaries). `--ideal-rules` adds the
    earlier rankings for comparison: `linear` (logits q.center + 0.4 |q|.radius summed over the
    group, no softmax) and `bound` (the upper bound itself); and what a richer summary would buy:
    `sketch1` / `sketch2`, the row's attention over keys rebuilt from the min/max box plus 1 or 2
@@ -39,6 +40,9 @@ the real `DecodeEngine` (working set, selection, prefetch, replacement cap, writ
    the same backend checks it against the engine's dense perplexity. Engine vs `ranking` = what
    the prediction and the per-step replacement cap cost; `ranking` vs `exact` = what the
    summaries cost; `exact` vs dense = what the budget costs.
+
+`--summary-kinds minmax,moments` prefills the prompt once per summary kind (`KVLayout.summary_kind`)
+and runs every sparse mode and budget with each, side by side against the same dense run.
 
 Goal at a 2,048-token budget: >= 99% agreement and perplexity within 1% of dense.
 Writes bench/results/sparse_quality_<model>.json and a PNG.
@@ -72,7 +76,16 @@ import oasiskv.decode_node.engine as engine_module  # noqa: E402
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
 from oasiskv.decode_node.engine import DecodeEngine  # noqa: E402
 from oasiskv.decode_node.speculative import Draft, NgramDrafter  # noqa: E402
-from oasiskv.kvstore import KVStore, block_scores, connect, rank_blocks, summarize_layer  # noqa: E402
+from oasiskv.kvstore import (  # noqa: E402
+    DEFAULT_SUMMARY_KIND,
+    SUMMARY_KINDS,
+    KVStore,
+    block_scores,
+    connect,
+    rank_blocks,
+    ranking_radius_weight,
+    summarize_layer,
+)
 from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import Prefiller  # noqa: E402
@@ -82,7 +95,7 @@ from bench.lookahead_accuracy import LINEAR_RADIUS_WEIGHT, load_llm, sketch_keys
 
 GOAL_AGREEMENT = 0.99
 GOAL_PPL_RATIO = 1.01
-IDEAL_RULES = ("ranking", "linear", "bound", "sketch1", "sketch2", "exact")
+IDEAL_RULES = ("ranking", "moments", "linear", "bound", "sketch1", "sketch2", "exact")
 
 
 class TeacherForcing:
@@ -149,8 +162,8 @@ class StoredPrompt:
 class IdealSelection:
     """Attention backend for a teacher-forced forward of new rows after a cached prompt
     (slot == position): each row, per KV head, attends to the sinks, its window and its own
-    top-K blocks by `rule`: "exact" attention mass; its query's "ranking" (the decode node's),
-    "linear" or "bound" score against the summaries; its attention over "sketch1" / "sketch2"
+    top-K blocks by `rule`: "exact" attention mass; its query's "ranking" (the decode node's, over
+    min/max summaries; "moments": over mean +- std ones), "linear" or "bound" score against the summaries; its attention over "sketch1" / "sketch2"
     keys (box + 1 or 2 bits per element); or "dense": all."""
 
     def __init__(self, cache: PagedKVCache, scale: float, rule: str, budget_blocks: int, sinks: int, window: int):
@@ -191,8 +204,11 @@ class IdealSelection:
                     approx = approx.masked_fill(~seen[None, :, None, :], float("-inf"))
                     # A row with no candidate softmaxes only -inf (NaN); the candidate mask drops it below.
                     score = torch.softmax(approx, dim=-1).sum(dim=2).view(kv_heads, rows, complete, bs).sum(-1)
-                elif self.rule == "ranking":
-                    score = torch.stack([rank_blocks(q[r:r + 1], summaries, self.scale) for r in range(rows)], dim=1)
+                elif self.rule in ("ranking", "moments"):
+                    kind = "minmax" if self.rule == "ranking" else "moments"
+                    boxes = summarize_layer(keys[:, : complete * bs].transpose(0, 1), bs, kind)
+                    weight = ranking_radius_weight(kind)
+                    score = torch.stack([rank_blocks(q[r:r + 1], boxes, self.scale, weight) for r in range(rows)], dim=1)
                 else:
                     weight = LINEAR_RADIUS_WEIGHT if self.rule == "linear" else 1.0
                     score = block_scores(q.float(), summaries, weight).transpose(0, 1)  # [kv_heads, rows, complete]
@@ -233,8 +249,9 @@ def ideal_selection(llm, stored: StoredPrompt, full: list[int], context: int, ne
     return dict(zip(index, picked.tolist())), dict(zip(index, logprobs.argmax(-1).tolist()))
 
 
-def prefill_once(llm, client, prompt: list[int], budget_blocks: int, sinks: int, window: int) -> StoredPrompt:
-    result = Prefiller(llm.model, client).prefill("prompt", prompt, SamplingParams(max_tokens=1), budget_blocks=budget_blocks,
+def prefill_once(llm, client, prompt: list[int], budget_blocks: int, sinks: int, window: int,
+                 summary_kind: str | None = None) -> StoredPrompt:
+    result = Prefiller(llm.model, client, summary_kind=summary_kind).prefill("prompt", prompt, SamplingParams(max_tokens=1), budget_blocks=budget_blocks,
                                                   excluded_head_blocks=sinks, excluded_tail_blocks=window)
     layout = result.layout
     blocks = layout.num_blocks(len(prompt))
@@ -297,9 +314,14 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-ideal", action="store_true", help="skip the ideal-selection diagnostic")
     parser.add_argument("--ideal-rules", default="ranking,exact",
                         help=f"ideal-selection rules, comma-separated, of {','.join(IDEAL_RULES)}")
+    parser.add_argument("--summary-kinds", default=DEFAULT_SUMMARY_KIND,
+                        help=f"key summary kinds to run the sparse modes with, comma-separated, of {','.join(SUMMARY_KINDS)}")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))
     args = parser.parse_args(argv)
+    kinds = args.summary_kinds.split(",")
+    if set(kinds) - set(SUMMARY_KINDS):
+        parser.error(f"--summary-kinds: unknown {sorted(set(kinds) - set(SUMMARY_KINDS))}; choose from {', '.join(SUMMARY_KINDS)}")
     unknown = set(args.ideal_rules.split(",")) - set(IDEAL_RULES)
     if unknown:
         parser.error(f"--ideal-rules: unknown {sorted(unknown)}; choose from {', '.join(IDEAL_RULES)}")
@@ -319,23 +341,26 @@ def main(argv=None) -> int:
     store = KVStore(int(_store_gb(llm, args.context + args.new_tokens + 64) * 2**30))
     client = connect(store, transport="inproc")
     t0 = time.perf_counter()
-    stored = prefill_once(llm, client, prompt, max(budgets) // 16, args.sink_blocks, args.window_blocks)
-    prefill_s = time.perf_counter() - t0
+    stored_by_kind = {kind: prefill_once(llm, client, prompt, max(budgets) // 16, args.sink_blocks, args.window_blocks,
+                                         kind) for kind in kinds}
+    prefill_s = (time.perf_counter() - t0) / len(kinds)
+    stored = stored_by_kind[kinds[0]]
     layout = stored.result.layout
 
-    runs = [("dense", None)] + [(m, b) for m in modes for b in budgets]
+    runs = [("dense", None, kinds[0])] + [(m, b, kind) for kind in kinds for m in modes for b in budgets]
     passes = 1 if args.skip_free_running else 2
     greedy = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     rows = []
     with tqdm(total=len(runs) * passes, desc="runs") as bar:
-        for mode, budget in runs:
+        for mode, budget, kind in runs:
+            stored = stored_by_kind[kind]
             config = DecodeConfig(mode=mode, budget_tokens=budget or 2048, num_draft_tokens=k, kv_pool_gb=1.0,
                                   sink_blocks=args.sink_blocks, window_blocks=args.window_blocks,
                                   **{name: getattr(args, name) for name in OVERRIDES
                                      if getattr(args, name) is not None})
             config = config.model_copy(update={"kv_pool_gb": pool_gb(layout, config, args.context, args.new_tokens)})
-            tag = f"{mode}-{budget}"
-            row = {"mode": mode, "budget_tokens": budget}
+            tag = f"{mode}-{budget}-{kind}"
+            row = {"mode": mode, "budget_tokens": budget, "summary_kind": kind}
             bar.set_postfix_str(f"{tag} teacher-forced")
             forcing = TeacherForcing(full)
             with forcing.patched():
@@ -369,6 +394,7 @@ def main(argv=None) -> int:
         "goal": {"agreement": GOAL_AGREEMENT, "perplexity_ratio": GOAL_PPL_RATIO, "budget_tokens": 2048},
         "runs": summarize(rows, args.context),
     }
+    results["summary_kinds"] = kinds
     results["ideal_selection"] = summarize_ideal(ideal, rows[0], args.context)
     results["total_s"] = time.perf_counter() - started
     print_table(results)
@@ -396,7 +422,7 @@ def summarize(rows: list[dict], context: int) -> list[dict]:
         nll = -sum(tf["logprob"][i] for i in scored) / len(scored)
         top1 = sum(tf["argmax"][i] == dense["teacher_forced"]["argmax"][i] for i in scored) / len(scored)
         summary = {
-            "mode": row["mode"], "budget_tokens": row["budget_tokens"],
+            "mode": row["mode"], "budget_tokens": row["budget_tokens"], "summary_kind": row["summary_kind"],
             "perplexity": math.exp(nll), "scored_tokens": len(scored), "top1_agreement": top1,
             "teacher_forced_seconds": tf["seconds"], "teacher_forced_counters": tf["counters"],
         }
@@ -437,7 +463,7 @@ def summarize_ideal(ideal: list[dict], dense_row: dict, context: int) -> list[di
 def print_table(results: dict) -> None:
     print(f"\n{results['model']}, context {results['context']} tokens, {results['new_tokens']} new tokens, "
           f"k={results['num_draft_tokens']}; scored tokens (teacher-forced): {results['runs'][0]['scored_tokens']}")
-    head = (f"{'mode':<15}{'budget':>7}{'top1 agree':>11}{'ppl':>9}{'ppl/dense':>10}{'prefix agr':>11}"
+    head = (f"{'mode':<22}{'budget':>7}{'top1 agree':>11}{'ppl':>9}{'ppl/dense':>10}{'prefix agr':>11}"
             f"{'pos agr':>9}{'recall':>8}{'MB fetched':>11}{'accept':>8}")
     print(head)
     for r in results["runs"]:
@@ -445,14 +471,14 @@ def print_table(results: dict) -> None:
         rec = r["teacher_forced_counters"]["prediction_recall"]
         fetched = (fr["bytes_fetched"] + fr["admission_bytes_fetched"]) / 2**20
         acc = fr["acceptance_rate"]
-        print(f"{r['mode']:<15}{str(r['budget_tokens'] or '-'):>7}{r['top1_agreement']:>11.2%}{r['perplexity']:>9.4f}"
+        print(f"{run_label(r, results):<22}{str(r['budget_tokens'] or '-'):>7}{r['top1_agreement']:>11.2%}{r['perplexity']:>9.4f}"
               f"{r['perplexity_ratio']:>10.4f}{_pct(r.get('prefix_agreement')):>11}{_pct(r.get('positionwise_agreement')):>9}"
               f"{_pct(rec):>8}{fetched:>11.1f}{_pct(acc):>8}")
     goal = results["goal"]
     for r in results["runs"]:
         if r["budget_tokens"] == goal["budget_tokens"]:
             ok = r["top1_agreement"] >= goal["agreement"] and r["perplexity_ratio"] <= goal["perplexity_ratio"]
-            print(f"goal at {goal['budget_tokens']} ({r['mode']}): top-1 agreement {r['top1_agreement']:.2%} >= 99%, "
+            print(f"goal at {goal['budget_tokens']} ({run_label(r, results)}): top-1 agreement {r['top1_agreement']:.2%} >= 99%, "
                   f"perplexity {r['perplexity_ratio'] - 1:+.2%} vs dense within 1%: {'met' if ok else 'NOT met'}")
     print("(recall = the engine's prediction_recall counter, teacher-forced pass; MB fetched and acceptance: "
           "free-running pass)")
@@ -460,11 +486,19 @@ def print_table(results: dict) -> None:
     if ideal:
         print("\nideal selection (diagnostic, no engine): every row attends to sinks + window + its own top-K blocks")
         print(f"{'rule':<8}{'budget':>7}{'top1 agree':>11}{'ppl':>9}{'ppl/dense':>10}   engine lookahead / sparse-current ppl/dense")
-        engine = {(r["mode"], r["budget_tokens"]): r["perplexity_ratio"] for r in results["runs"]}
+        engine = {(r["mode"], r["budget_tokens"]): r["perplexity_ratio"] for r in results["runs"]
+                  if r["summary_kind"] == results["summary_kinds"][0]}
         for r in ideal:
             b = r["budget_tokens"]
             extra = "" if b is None else f"   {engine.get(('lookahead', b), float('nan')):.4f} / {engine.get(('sparse-current', b), float('nan')):.4f}"
             print(f"{r['rule']:<8}{str(b or '-'):>7}{r['top1_agreement']:>11.2%}{r['perplexity']:>9.4f}{r['perplexity_ratio']:>10.4f}{extra}")
+
+
+def run_label(run: dict, results: dict) -> str:
+    """The run's mode, and its summary kind when the run compares several."""
+    if run["mode"] == "dense" or len(results.get("summary_kinds", ())) < 2:
+        return run["mode"]
+    return f"{run['mode']} ({run['summary_kind']})"
 
 
 def _pct(value) -> str:
@@ -474,9 +508,9 @@ def _pct(value) -> str:
 def _plot(results: dict, axes) -> None:
     ax_agree, ax_ppl = axes
     runs = results["runs"]
-    modes = sorted({r["mode"] for r in runs if r["mode"] != "dense"})
+    modes = sorted({run_label(r, results) for r in runs if r["mode"] != "dense"})
     for mode in modes:
-        mine = [r for r in runs if r["mode"] == mode]
+        mine = [r for r in runs if run_label(r, results) == mode]
         xs = [r["budget_tokens"] for r in mine]
         ax_agree.plot(xs, [r["top1_agreement"] for r in mine], marker="o", label=f"{mode} top-1 (teacher-forced)")
         if "prefix_agreement" in mine[0]:

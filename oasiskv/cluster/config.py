@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from ..decode_node.config import DecodeConfig
+from ..kvstore import DEFAULT_SUMMARY_KIND, SUMMARY_KINDS
 
 
 class ServeConfig(BaseModel):
@@ -31,6 +32,10 @@ class ServeConfig(BaseModel):
     max_queued_requests: int = Field(64, ge=0, description="requests waiting for a decode pool before 429")
     request_timeout_s: float = Field(600.0, gt=0)
     prefill_chunk_tokens: int = Field(1024, ge=16)
+    summary_kind: str = Field(
+        DEFAULT_SUMMARY_KIND, description=f"how the stores summarize each block's keys for the sparse modes, one of "
+        f"{list(SUMMARY_KINDS)} (kvstore/summary.py); the prefill names it in each request's layout",
+    )
     prefill_engine: Literal["oasiskv", "vllm"] = Field(
         "oasiskv", description="'vllm': prefill actors run vLLM and write KV into the stores through OasisKVConnector"
     )
@@ -40,6 +45,8 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _vllm_installed(self) -> "ServeConfig":
+        if self.summary_kind not in SUMMARY_KINDS:
+            raise ValueError(f"summary_kind must be one of {list(SUMMARY_KINDS)}, got {self.summary_kind!r}")
         if self.prefill_engine == "vllm":
             from ..prefill_node.vllm_worker import require_vllm
 

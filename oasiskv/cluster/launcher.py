@@ -68,7 +68,7 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
     prefill = [
         WorkerSlot(f"prefill-{i}", prefill_cls.options(**_options(config, "prefill", max_concurrency=8, max_restarts=-1)).remote(
             config.model, config.dtype, config.decode.block_size, config.prefill_chunk_tokens, threads, config.transport,
-            *prefill_extra))
+            *prefill_extra, summary_kind=config.summary_kind))
         for i in range(config.prefill_workers)
     ]
     decode = [

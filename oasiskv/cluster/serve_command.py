@@ -31,6 +31,9 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
                         help="budget share each layer and KV head may replace per decode step, on average "
                              "(default 0.05; measured at 8K on Qwen 0.5B, 0.01 fetched 5x fewer bytes while decoding "
                              "and lost no quality: bench/sparse_quality.py)")
+    parser.add_argument("--summary-kind", choices=["moments", "minmax"], default=None,
+                        help="how blocks' keys are summarized for the sparse modes' ranking: 'moments' (mean +- std) or "
+                             "'minmax' (Quest's box); same bytes (default: moments)")
     parser.add_argument("--threads-per-worker", type=int, default=None)
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or OASISKV_API_KEY)")
     parser.add_argument("--max-queued-requests", type=int, default=64)
@@ -57,6 +60,8 @@ def config_from_args(args: argparse.Namespace):
                   vllm_kv_cache_gb=args.vllm_kv_cache_gb, vllm_max_model_len=args.vllm_max_model_len)
     if args.api_key:
         fields["api_key"] = args.api_key
+    if args.summary_kind:
+        fields["summary_kind"] = args.summary_kind
     return ServeConfig(**fields)
 
 

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kvstore import RANKING_RADIUS_WEIGHT
 from ..models.attention import (
     PAD_POSITION,
     AttentionBatch,
@@ -40,8 +39,9 @@ class StepRequest:
     summaries: torch.Tensor  # [layers, kv_heads, blocks, 2, d] of complete blocks in the store
     positions: torch.Tensor  # [rows] positions of this step's rows (row 0: last accepted token)
     num_drafts: int
-    mode: str = "lookahead"
-    budget_blocks: int = 128
+    mode: str
+    budget_blocks: int
+    radius_weight: float  # rank_blocks' weight for the request's summary kind
 
 
 def gathered_attention(queries: torch.Tensor, units_kv: torch.Tensor, unit_ids: torch.Tensor,
@@ -61,8 +61,8 @@ def gathered_attention(queries: torch.Tensor, units_kv: torch.Tensor, unit_ids: 
 
 class SparseAttention:
     def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace_fraction: float, miss_policy: str,
-                 counters: DecodeCounters, fetch_timeout_s: float, radius_weight: float = RANKING_RADIUS_WEIGHT,
-                 recall_sample_steps: int = 1, use_triton: bool = False):
+                 counters: DecodeCounters, fetch_timeout_s: float, recall_sample_steps: int = 1,
+                 use_triton: bool = False):
         self.pool = pool
         self.client = client
         self.sliding_window = sliding_window
@@ -71,7 +71,6 @@ class SparseAttention:
         self.miss_policy = miss_policy
         self.counters = counters
         self.fetch_timeout_s = fetch_timeout_s
-        self.radius_weight = radius_weight
         self.recall_sample_steps = recall_sample_steps
         self.use_triton = use_triton
         self.requests: list[StepRequest] = []
@@ -196,7 +195,7 @@ class SparseAttention:
     def _top_blocks(self, req: StepRequest, layer: int, query: torch.Tensor) -> torch.Tensor:
         first, end = self._candidate_range(req)
         budget = min(req.budget_blocks, req.ws.plan.budget)
-        return select_blocks(query, req.summaries[layer], first, end, budget, self.scale, self.radius_weight)
+        return select_blocks(query, req.summaries[layer], first, end, budget, self.scale, req.radius_weight)
 
     def _select_and_fetch(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]], wait: bool) -> None:
         fetches = []

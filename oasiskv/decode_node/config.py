@@ -6,8 +6,6 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from ..kvstore import RANKING_RADIUS_WEIGHT
-
 Mode = Literal["dense", "sparse-current", "lookahead"]
 
 
@@ -23,10 +21,11 @@ class DecodeConfig(BaseModel):
         0.05, gt=0, le=1,
         description="budget share each layer and KV head may replace per step, on average (fractions of a block carry over)",
     )
-    radius_weight: float = Field(
-        RANKING_RADIUS_WEIGHT, ge=0, le=1,
-        description="a block's estimated logit is q.center + w |q|.radius of its min/max key summary (1: the upper "
-        "bound); blocks are ranked by the softmax share of it, summed over the query heads of a KV group",
+    radius_weight: float | None = Field(
+        None, ge=0, le=1,
+        description="a block's estimated logit is q.center + w |q|.radius of its key summary box (for min/max, 1 is the "
+        "upper bound); blocks are ranked by the softmax share of it, summed over the query heads of a KV group. "
+        "None: the weight measured for the request's summary kind (kvstore.RANKING_RADIUS_WEIGHTS)",
     )
     summary_read_dtype: Literal["float32", "bfloat16"] = Field(
         "bfloat16", description="key summaries are read from the store in this dtype; bfloat16 moves half the bytes "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..kvstore import summarize_keys
+from ..kvstore import DEFAULT_SUMMARY_KIND, ranking_radius_weight, summarize_keys
 from ..models.engine.scheduler import RequestTooLarge
 from ..models.engine.stopping import finish_reason, visible_text
 from ..models.sampling import SamplingParams, make_generator
@@ -45,6 +45,7 @@ class DecodeRequest:
     finish_reason: str | None = None
     write_backs: list = field(default_factory=list)
     mode: str = "lookahead"
+    summary_kind: str = DEFAULT_SUMMARY_KIND  # how the store summarized the prompt (its KVLayout); write-back matches it
     # A prefill that predicted no working set (vLLM prefill has no queries to give) makes the
     # first step choose its blocks from its own query, as sparse-current does.
     first_step_mode: str | None = None
@@ -82,7 +83,7 @@ class DecodeEngine:
         mc = model.config
         self.backend = SparseAttention(
             self.pool, self.client, mc.sliding_window, mc.softmax_scale, self.config.max_replace_fraction,
-            self.config.miss_policy, self.counters, self.config.fetch_timeout_s, self.config.radius_weight,
+            self.config.miss_policy, self.counters, self.config.fetch_timeout_s,
             self.config.recall_sample_steps, self.config.uses_triton_attention,
         )
         self.drafter = drafter if drafter is not None else NgramDrafter()
@@ -111,7 +112,8 @@ class DecodeEngine:
                 f"({plan.total * self.pool.row_bytes / 2**20:.1f} MiB); the pool has {self.pool.num_rows}"
             )
         req = DecodeRequest(prefill.request_id, list(prefill.prompt_ids), params, [prefill.first_token],
-                            prefill.initial_selection, num_kv=len(prefill.prompt_ids), mode=mode, plan=plan)
+                            prefill.initial_selection, num_kv=len(prefill.prompt_ids), mode=mode,
+                            summary_kind=prefill.layout.summary_kind, plan=plan)
         if not params.greedy:
             req.generator = make_generator(None if params.seed is None else params.seed + 1)
         self.waiting.append(req)
@@ -211,7 +213,8 @@ class DecodeEngine:
             ids.extend(tokens)
             positions.append(pos)
             mode, req.first_step_mode = req.first_step_mode or req.mode, None
-            step_reqs.append(StepRequest(req.ws, req.summaries, pos, len(draft.tokens), mode, req.plan.budget))
+            step_reqs.append(StepRequest(req.ws, req.summaries, pos, len(draft.tokens), mode, req.plan.budget,
+                                         self._radius_weight(req)))
         self._steps += 1
         self.backend.prepare(step_reqs, self._steps)
         device = self.config.device
@@ -231,6 +234,11 @@ class DecodeEngine:
             outputs.append(self._emit(req, emitted))
         self.counters.steps += 1
         return outputs
+
+    def _radius_weight(self, req: DecodeRequest) -> float:
+        if self.config.radius_weight is not None:
+            return self.config.radius_weight
+        return ranking_radius_weight(req.summary_kind)
 
     def _propose(self, reqs: list[DecodeRequest], k: int) -> list[Draft]:
         if k == 0:
@@ -261,7 +269,7 @@ class DecodeEngine:
         ))
         self.counters.blocks_written_back += len(done)
         keys = self.pool.units[units][:, :, :, 0]  # [blocks, layers, heads, bs, d]
-        summaries = summarize_keys(keys).permute(1, 2, 0, 3, 4)  # [layers, heads, blocks, 2, d]
+        summaries = summarize_keys(keys, kind=req.summary_kind).permute(1, 2, 0, 3, 4)  # [layers, heads, blocks, 2, d]
         have = req.summaries.shape[2]
         first = done.start
         if first < have:  # a block the prefill wrote partly filled

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kvstore import RANKING_RADIUS_WEIGHT, rank_blocks
+from ..kvstore import rank_blocks
 from .working_set import EMPTY, WorkingSet
 
 
@@ -28,7 +28,7 @@ class FetchPlan:
 
 
 def score_blocks(queries: torch.Tensor, summaries: torch.Tensor, candidates: torch.Tensor, scale: float,
-                 radius_weight: float = RANKING_RADIUS_WEIGHT) -> torch.Tensor:
+                 radius_weight: float) -> torch.Tensor:
     """queries [rows, q_heads, d]; summaries [kv_heads, blocks, 2, d] -> [kv_heads, blocks]: the
     attention each candidate block can expect (`rank_blocks` over the candidates only, so the
     others take no share of the softmax); non-candidates get -inf. Several query rows (the
@@ -41,7 +41,7 @@ def score_blocks(queries: torch.Tensor, summaries: torch.Tensor, candidates: tor
 
 
 def select_blocks(queries: torch.Tensor, summaries: torch.Tensor, first: int, end: int, k: int, scale: float,
-                  radius_weight: float = RANKING_RADIUS_WEIGHT) -> torch.Tensor:
+                  radius_weight: float) -> torch.Tensor:
     """The top-k blocks ([kv_heads, k'], best first) among the candidates first..end-1, ranked as
     `score_blocks` ranks them. The decode node's candidates are always one run of blocks (after
     the sinks, before the window), so only that run is scored: no mask, no -inf, no count."""

@@ -27,10 +27,13 @@ from .ray_actor import KVStoreActor, launch_store_actor
 from .server import KVStoreServer
 from .store import KVStore, RequestInfo, StoreStats
 from .summary import (
-    RANKING_RADIUS_WEIGHT,
+    DEFAULT_SUMMARY_KIND,
+    RANKING_RADIUS_WEIGHTS,
+    SUMMARY_KINDS,
     block_scores,
     narrow_summaries,
     rank_blocks,
+    ranking_radius_weight,
     summarize_keys,
     summarize_layer,
     summarize_request,
@@ -38,10 +41,10 @@ from .summary import (
 from .transport import TransferHandle
 
 __all__ = [
-    "RANKING_RADIUS_WEIGHT", "BlockOutOfRange", "InvalidArgument", "KVLayout", "KVStore", "KVStoreActor", "KVStoreClient",
+    "DEFAULT_SUMMARY_KIND", "RANKING_RADIUS_WEIGHTS", "SUMMARY_KINDS", "BlockOutOfRange", "InvalidArgument", "KVLayout", "KVStore", "KVStoreActor", "KVStoreClient",
     "KVStoreConfig", "KVStoreError", "KVStoreServer", "ProtocolError", "RemoteError", "RequestExists",
     "RequestInfo", "StoreFull", "StoreStats", "StoreTimeout", "StoreUnavailable", "TransferError",
     "TransferHandle", "UnknownRequest", "alloc_host_buffer", "block_scores", "connect",
-    "launch_store_actor", "narrow_summaries", "pack_layer", "pack_request", "rank_blocks", "summarize_keys", "summarize_layer",
+    "launch_store_actor", "narrow_summaries", "pack_layer", "pack_request", "rank_blocks", "ranking_radius_weight", "summarize_keys", "summarize_layer",
     "summarize_request", "unpack_units",
 ]

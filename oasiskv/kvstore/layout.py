@@ -11,7 +11,7 @@ The store allocates a request block by block. One *chunk* holds everything of on
 of one request, for all layers and heads, followed by the block's key summaries::
 
     chunk = [layers, kv_heads, 2, block_size, head_dim] dtype      (layers*kv_heads units)
-          + [layers, kv_heads, 2 (min, max), head_dim] float32     (summaries)
+          + [layers, kv_heads, 2 (lo, hi), head_dim] float32       (summaries, of summary_kind)
           + padding to CHUNK_ALIGN (4 KiB)
 
 A request's *block table* is the int64 array of its chunks' byte offsets in the arena, so the
@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from .errors import BlockOutOfRange, InvalidArgument
+from .summary import DEFAULT_SUMMARY_KIND, check_summary_kind
 
 CHUNK_ALIGN = 4096
 SUMMARY_DTYPE = torch.float32
@@ -72,6 +73,7 @@ class KVLayout:
     head_dim: int
     block_size: int = 16
     dtype: torch.dtype = torch.bfloat16
+    summary_kind: str = DEFAULT_SUMMARY_KIND  # how the store summarizes keys (kvstore.summary)
 
     def __post_init__(self):
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
@@ -79,6 +81,7 @@ class KVLayout:
             if not isinstance(value, (int, np.integer)) or value <= 0:
                 raise InvalidArgument(f"KVLayout.{name} must be a positive int, got {value!r}")
         dtype_name(self.dtype)
+        check_summary_kind(self.summary_kind)
 
     # --- sizes (cached: they sit on every transfer's path) ----------------------------------
 
@@ -106,7 +109,7 @@ class KVLayout:
 
     @cached_property
     def summary_unit_bytes(self) -> int:
-        """min and max of one block's keys, one layer, one KV head, float32."""
+        """The (lo, hi) summary of one block's keys, one layer, one KV head, float32."""
         return 2 * self.head_dim * 4
 
     @cached_property
@@ -166,6 +169,7 @@ class KVLayout:
             "head_dim": int(self.head_dim),
             "block_size": int(self.block_size),
             "dtype": dtype_name(self.dtype),
+            "summary_kind": self.summary_kind,
         }
 
     @staticmethod
@@ -174,7 +178,7 @@ class KVLayout:
             dtype = _DTYPES[str(data["dtype"])]
             return KVLayout(
                 int(data["num_layers"]), int(data["num_kv_heads"]), int(data["head_dim"]),
-                int(data["block_size"]), dtype,
+                int(data["block_size"]), dtype, str(data.get("summary_kind", "minmax")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidArgument(f"bad layout {data!r}: {exc}") from None

@@ -268,7 +268,7 @@ class KVStore:
         return layers.size * unit
 
     def summarize(self, request: _Request, layers: np.ndarray, heads: np.ndarray, blocks: np.ndarray) -> None:
-        """Recompute the min/max key summaries of the given (validated) units from the arena."""
+        """Recompute the key summaries (of the layout's kind) of the given (validated) units from the arena."""
         n = layers.size
         if n == 0:
             return
@@ -279,12 +279,12 @@ class KVStore:
         valid = np.minimum(request.num_tokens - blocks * layout.block_size, layout.block_size)
         partial = valid < layout.block_size
         if not partial.any():
-            summaries = summarize_keys(keys)
+            summaries = summarize_keys(keys, kind=layout.summary_kind)
         else:  # only the request's last block is partly filled; mask just those units
             summaries = torch.empty((n, 2, layout.head_dim), dtype=torch.float32)
             full = torch.from_numpy(~partial)
-            summaries[full] = summarize_keys(keys[full])
-            summaries[~full] = summarize_keys(keys[~full], torch.from_numpy(valid[partial]))
+            summaries[full] = summarize_keys(keys[full], kind=layout.summary_kind)
+            summaries[~full] = summarize_keys(keys[~full], torch.from_numpy(valid[partial]), layout.summary_kind)
         summaries = summaries.contiguous()
         size = layout.summary_unit_bytes
         copy_units(

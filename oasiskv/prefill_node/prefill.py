@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kvstore import KVLayout, pack_layer, rank_blocks, summarize_layer
+from ..kvstore import KVLayout, pack_layer, rank_blocks, ranking_radius_weight, summarize_layer
 from ..models.attention import AttentionBatch, PagedAttention
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
 from ..models.sampling import SamplingParams, make_generator, sample
@@ -31,9 +31,11 @@ class PrefillResult:
     kv_bytes_written: int
 
 
-def kv_layout_for(model: DecoderModel, block_size: int = 16) -> KVLayout:
+def kv_layout_for(model: DecoderModel, block_size: int = 16, summary_kind: str | None = None) -> KVLayout:
+    """The store layout of `model`'s KV; `summary_kind` None: KVLayout's default."""
     c = model.config
-    return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, next(model.parameters()).dtype)
+    kind = {} if summary_kind is None else {"summary_kind": summary_kind}
+    return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, next(model.parameters()).dtype, **kind)
 
 
 class _CapturingAttention(PagedAttention):
@@ -53,10 +55,11 @@ class _CapturingAttention(PagedAttention):
 
 
 class Prefiller:
-    def __init__(self, model: DecoderModel, client, block_size: int = 16, chunk_tokens: int = 1024):
+    def __init__(self, model: DecoderModel, client, block_size: int = 16, chunk_tokens: int = 1024,
+                 summary_kind: str | None = None):
         self.model = model
         self.client = client
-        self.layout = kv_layout_for(model, block_size)
+        self.layout = kv_layout_for(model, block_size, summary_kind)
         self.chunk_tokens = chunk_tokens
 
     @torch.inference_mode()
@@ -98,8 +101,9 @@ class Prefiller:
             values = cache.v[layer][:, slots].transpose(0, 1)
             handles.append(self.client.write_layer(request_id, layer, pack_layer(keys, values, layout.block_size).cpu()))
             if top_k:
-                summaries = summarize_layer(keys, layout.block_size)  # same bound the store keeps
-                scores = rank_blocks(last_query, summaries[:, candidates.start : candidates.stop], config.softmax_scale)
+                summaries = summarize_layer(keys, layout.block_size, layout.summary_kind)  # as the store keeps them
+                scores = rank_blocks(last_query, summaries[:, candidates.start : candidates.stop], config.softmax_scale,
+                                     ranking_radius_weight(layout.summary_kind))
                 selection[layer] = torch.topk(scores, top_k, dim=-1).indices + candidates.start
 
         backend = _CapturingAttention(cache, config.sliding_window, config.softmax_scale, ship_layer)

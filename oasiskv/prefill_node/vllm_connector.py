@@ -14,7 +14,7 @@ Requests without these parameters are served by vLLM as usual.
 Scheduler side: follows each such request's vLLM blocks and, in the step that computes its last
 prompt token, hands the worker the slots of the whole prompt. Worker side: as each attention
 layer finishes that step, reads the layer's K/V for the prompt out of vLLM's paged cache and
-writes it to the store (which keeps the min/max key summaries); `wait_for_save` waits for the
+writes it to the store (which keeps the key summaries); `wait_for_save` waits for the
 writes. `request_finished` returns the store descriptor in the request's `kv_transfer_params`,
 so an OasisKV decode worker can take the request over. A write that fails frees the request in
 the store, so the caller sees an unknown request rather than partial KV.
@@ -74,7 +74,7 @@ class _Followed:
     saved: bool = False
 
 
-def layout_from_vllm(vllm_config, block_size: int) -> KVLayout:
+def layout_from_vllm(vllm_config, block_size: int, summary_kind: str | None = None) -> KVLayout:
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     dtype = vllm_config.cache_config.cache_dtype
@@ -86,6 +86,7 @@ def layout_from_vllm(vllm_config, block_size: int) -> KVLayout:
         model_config.get_head_size(),
         block_size,
         model_config.dtype,
+        **({} if summary_kind is None else {"summary_kind": summary_kind}),
     )
 
 
@@ -150,7 +151,7 @@ class OasisKVConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.block_size = int(extra.get("block_size", 16))
         self.transport = str(extra.get("transport", "auto"))
-        self.layout = layout_from_vllm(vllm_config, self.block_size)
+        self.layout = layout_from_vllm(vllm_config, self.block_size, extra.get("summary_kind"))
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         if len(groups) > 1:
             raise NotImplementedError(

@@ -16,7 +16,7 @@ from .prefill import Prefiller, PrefillResult
 
 class PrefillWorker:
     def __init__(self, model: str, dtype: str = "float32", block_size: int = 16, chunk_tokens: int = 1024,
-                 threads: int | None = None, transport: str = "auto"):
+                 threads: int | None = None, transport: str = "auto", summary_kind: str | None = None):
         if threads:
             torch.set_num_threads(threads)
         model_dir = resolve_model(model, progress=False)
@@ -24,6 +24,7 @@ class PrefillWorker:
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         self.transport = transport
+        self.summary_kind = summary_kind
         self._prefillers: dict[str, Prefiller] = {}
         self._lock = threading.Lock()  # one prefill at a time: it uses every core it is given
 
@@ -33,7 +34,8 @@ class PrefillWorker:
     def _prefiller(self, store_address: str) -> Prefiller:
         if store_address not in self._prefillers:
             client = connect(store_address, transport=self.transport)
-            self._prefillers[store_address] = Prefiller(self.model, client, self.block_size, self.chunk_tokens)
+            self._prefillers[store_address] = Prefiller(self.model, client, self.block_size, self.chunk_tokens,
+                                                        self.summary_kind)
         return self._prefillers[store_address]
 
     def prefill(self, request_id: str, prompt_ids: list[int], params: dict, store_address: str,

@@ -6,10 +6,16 @@ import argparse
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
+import torch
+
+from oasiskv.cluster.config import ServeConfig
 from oasiskv.cluster.serve_command import add_arguments_serve, config_from_args
+from oasiskv.kvstore import DEFAULT_SUMMARY_KIND, KVStoreServer, connect, summarize_request
+from oasiskv.prefill_node.worker import PrefillWorker
 
 
 def _config(*argv: str):
@@ -34,3 +40,34 @@ def test_the_command_line_exits_2_on_a_bad_fraction_without_starting_ray():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "max_replace_fraction" in done.stderr
+
+
+def test_summary_kind_reaches_the_cluster_config():
+    assert _config().summary_kind == DEFAULT_SUMMARY_KIND == "moments"
+    assert _config("--summary-kind", "minmax").summary_kind == "minmax"
+    assert _config("--summary-kind", "moments").summary_kind == "moments"
+    with pytest.raises(ValidationError, match="summary_kind"):
+        ServeConfig(summary_kind="median")
+
+
+def test_prefill_worker_names_its_summary_kind_in_the_layout():
+    """The kind the cluster chose travels with every prefilled request (its store layout, over
+    the wire to a store server), so the store and the decode node summarize the same way."""
+    server = KVStoreServer(capacity_bytes=32 << 20, prefault=False)
+    address = server.start()
+    try:
+        worker = PrefillWorker("smollm2-135m", transport="tcp", summary_kind="moments")
+        prompt = list(range(100, 180))
+        result = worker.prefill("kind", prompt, {"max_tokens": 1}, address, 2, 1, 1)
+        assert result.layout.summary_kind == "moments"
+        layout = result.layout
+        blocks = layout.num_blocks(len(prompt))
+        units = torch.empty((layout.num_layers, blocks, layout.num_kv_heads, *layout.unit_shape), dtype=layout.dtype)
+        layers, block_ids, heads = (a.reshape(-1) for a in np.indices(units.shape[:3]))
+        local = connect(server.store)
+        local.read_blocks("kind", layers, heads, block_ids, units).wait()
+        keys = units[:, :, :, 0].permute(0, 1, 3, 2, 4).reshape(layout.num_layers, -1, layout.num_kv_heads, layout.head_dim)
+        torch.testing.assert_close(local.read_summaries("kind"), summarize_request(keys[:, : len(prompt)], 16, "moments"))
+        worker.free("kind", address)
+    finally:
+        server.stop()

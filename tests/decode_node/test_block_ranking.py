@@ -70,9 +70,9 @@ def test_a_head_that_ignores_a_block_does_not_veto_it():
 def test_mismatched_query_shape_is_named():
     summaries = summarize_layer(torch.randn(32, 2, 64), 16)
     with pytest.raises(InvalidArgument, match="do not fit"):
-        score_blocks(torch.randn(1, 3, 64), summaries, torch.ones(2, dtype=torch.bool), SCALE)
+        score_blocks(torch.randn(1, 3, 64), summaries, torch.ones(2, dtype=torch.bool), SCALE, 0.5)
     with pytest.raises(InvalidArgument, match="do not fit"):
-        rank_blocks(torch.randn(4, 64), summaries, SCALE)
+        rank_blocks(torch.randn(4, 64), summaries, SCALE, 0.5)
 
 
 def test_non_candidates_take_no_share():
@@ -80,9 +80,9 @@ def test_non_candidates_take_no_share():
     summaries = summarize_layer(torch.randn(30 * 16, 2, 64, generator=generator), 16)
     queries = torch.randn(2, 6, 64, generator=generator)
     candidates = torch.rand(30, generator=generator) > 0.4
-    scores = score_blocks(queries, summaries, candidates, SCALE)
+    scores = score_blocks(queries, summaries, candidates, SCALE, 0.5)
     assert torch.isinf(scores[:, ~candidates]).all()
-    torch.testing.assert_close(scores[:, candidates], rank_blocks(queries, summaries[:, candidates], SCALE))
+    torch.testing.assert_close(scores[:, candidates], rank_blocks(queries, summaries[:, candidates], SCALE, 0.5))
 
 
 @pytest.mark.parametrize("first,end,k", [(1, 45, 16), (1, 45, 44), (1, 45, 100), (10, 11, 4), (5, 5, 3)])
@@ -93,8 +93,8 @@ def test_selecting_a_run_of_candidates_equals_masking_the_rest(first, end, k):
     queries = torch.randn(3, 14, 64, generator=generator)
     candidates = torch.zeros(50, dtype=torch.bool)
     candidates[first:end] = True
-    expected = top_blocks(score_blocks(queries, summaries, candidates, SCALE), k)
-    got = select_blocks(queries, summaries, first, end, k, SCALE)
+    expected = top_blocks(score_blocks(queries, summaries, candidates, SCALE, 0.5), k)
+    got = select_blocks(queries, summaries, first, end, k, SCALE, 0.5)
     assert got.shape == (2, min(k, end - first))
     assert torch.equal(got, expected)
 
@@ -115,7 +115,7 @@ def test_ranking_on_cuda_equals_the_cpu_ranking():
     generator = torch.Generator().manual_seed(21)
     summaries = summarize_layer(torch.randn(200 * 16, 2, 64, generator=generator), 16)
     queries = torch.randn(4, 14, 64, generator=generator)
-    on_cpu = rank_blocks(queries, summaries, SCALE)
-    on_cuda = rank_blocks(queries.cuda(), summaries.cuda(), SCALE)
+    on_cpu = rank_blocks(queries, summaries, SCALE, 0.5)
+    on_cuda = rank_blocks(queries.cuda(), summaries.cuda(), SCALE, 0.5)
     assert on_cuda.device.type == "cuda"
     torch.testing.assert_close(on_cuda.cpu(), on_cpu, rtol=1e-4, atol=1e-5)

@@ -10,7 +10,7 @@ from oasiskv.decode_node.config import DecodeConfig
 from oasiskv.decode_node.draft_model import DraftModelDrafter
 from oasiskv.decode_node.engine import DecodeEngine
 from oasiskv.decode_node.speculative import DrafterMismatch
-from oasiskv.kvstore import KVStore, StoreFull, connect
+from oasiskv.kvstore import KVStore, StoreFull, connect, ranking_radius_weight
 from oasiskv.models.engine.scheduler import RequestTooLarge
 from oasiskv.models.sampling import SamplingParams
 from oasiskv.prefill_node.prefill import Prefiller
@@ -87,6 +87,37 @@ def test_small_budget_fetches_only_the_predicted_blocks(smollm2_llm, store, prom
     blocks = sum(-(-len(p) // layout.block_size) for p in prompts)
     assert counters.summary_bytes_fetched == blocks * layout.num_layers * layout.num_kv_heads * 2 * layout.head_dim * 2
     assert engine.pool.allocator.num_free == engine.pool.num_rows
+
+
+@pytest.mark.parametrize("kind", ["minmax", "moments"])
+def test_write_back_summarizes_as_the_prompt_was(smollm2_llm, store, prompts, kind):
+    """The node summarizes the blocks it writes back itself (no read from the store) with the
+    summary kind the prompt's layout names, so both agree with the store; the ranking uses that
+    kind's radius weight."""
+    client = connect(store)
+    config = DecodeConfig(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config)
+    request_id = f"write-back-{kind}"
+    result = Prefiller(smollm2_llm.model, client, summary_kind=kind).prefill(
+        request_id, prompts[0], budget_blocks=config.budget_blocks, excluded_head_blocks=config.sink_blocks,
+        excluded_tail_blocks=config.window_blocks)
+    assert result.layout.summary_kind == kind
+    engine.add(result, SamplingParams(max_tokens=64, ignore_eos=True))
+    try:
+        while engine.counters.blocks_written_back < 2:
+            engine.step()
+        req = engine.running[0]
+        assert engine._radius_weight(req) == ranking_radius_weight(kind)
+        prompt_blocks = len(prompts[0]) // 16  # 640 tokens: whole blocks only
+        written = req.summaries[:, :, prompt_blocks:]
+        assert written.shape[2] >= 2
+        for handle in req.write_backs:  # the store summarizes a block once its write has landed
+            handle.wait()
+        stored = client.read_summaries(request_id, first_block=prompt_blocks, num_blocks=written.shape[2])
+        assert torch.equal(written, stored)
+    finally:
+        engine.abort(request_id)
+    assert store.stats().num_requests == 0
 
 
 def test_self_drafting_model_matches_and_is_accepted(smollm2_llm, store, prompts, reference):

@@ -59,6 +59,12 @@ def test_layout_validation_and_wire_round_trip():
         KVLayout(2, 2, 64, dtype=torch.int32)
     with pytest.raises(InvalidArgument):
         KVLayout.from_wire({"num_layers": 2})
+    minmax = KVLayout(4, 2, 64, 16, torch.float16, summary_kind="minmax")
+    assert KVLayout.from_wire(minmax.to_wire()) == minmax != layout  # the default is moments
+    older = {key: value for key, value in layout.to_wire().items() if key != "summary_kind"}
+    assert KVLayout.from_wire(older).summary_kind == "minmax"  # a peer from before the field existed
+    with pytest.raises(InvalidArgument, match="summary kind"):
+        KVLayout(4, 2, 64, summary_kind="median")
 
 
 def test_broadcast_units():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import uuid
 
@@ -10,7 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from oasiskv.kvstore import KVLayout, KVStoreServer, UnknownRequest, connect, narrow_summaries, summarize_request
+from oasiskv.kvstore import (
+    SUMMARY_KINDS,
+    KVLayout,
+    KVStoreServer,
+    UnknownRequest,
+    connect,
+    narrow_summaries,
+    summarize_request,
+)
 from oasiskv.kvstore.layout import pack_layer
 
 from .helpers import LAYOUT, random_request_blocks, random_request_kv, random_units
@@ -59,22 +68,25 @@ def test_layer_by_layer_writes_and_per_layer_reads(client):
     client.free(request)
 
 
-def test_summaries_computed_on_write_and_read_as_float32_or_bfloat16(client):
+@pytest.mark.parametrize("kind", SUMMARY_KINDS)
+def test_summaries_computed_on_write_and_read_as_float32_or_bfloat16(client, kind):
+    layout = dataclasses.replace(LAYOUT, summary_kind=kind)
     request = rid()
     tokens = 75
-    client.allocate(request, LAYOUT, tokens)
-    keys, values = random_request_kv(3, LAYOUT, tokens)
-    client.write_request(request, random_request_blocks(3, LAYOUT, tokens)).wait()
+    client.allocate(request, layout, tokens)
+    keys, values = random_request_kv(3, layout, tokens)
+    client.write_request(request, random_request_blocks(3, layout, tokens)).wait()
     summaries = client.read_summaries(request)
-    assert summaries.shape == (LAYOUT.num_layers, LAYOUT.num_kv_heads, 5, 2, LAYOUT.head_dim)
-    assert torch.equal(summaries, summarize_request(keys, LAYOUT.block_size))  # partial last block too
+    assert summaries.shape == (layout.num_layers, layout.num_kv_heads, 5, 2, layout.head_dim)
+    # The kind travels with the layout over every transport; partial last block too.
+    assert torch.equal(summaries, summarize_request(keys, layout.block_size, kind))
     assert torch.equal(client.read_summaries(request, first_block=2, num_blocks=2), summaries[:, :, 2:4])
 
     narrow = client.read_summaries(request, first_block=1, dtype="bfloat16")
     assert narrow.dtype == torch.bfloat16 and narrow.shape == summaries[:, :, 1:].shape
     assert torch.equal(narrow, narrow_summaries(summaries[:, :, 1:], torch.bfloat16))
-    # The KV is bfloat16, so its min and max are bfloat16 numbers already: narrowing loses nothing.
-    assert LAYOUT.dtype == torch.bfloat16 and torch.equal(narrow.float(), summaries[:, :, 1:])
+    if kind == "minmax":  # the KV is bfloat16, so its min and max are bfloat16 numbers already: nothing is lost
+        assert layout.dtype == torch.bfloat16 and torch.equal(narrow.float(), summaries[:, :, 1:])
     client.free(request)
 
 

@@ -13,22 +13,45 @@ from oasiskv.kvstore.summary import block_scores_reference
 
 def test_summaries_are_min_and_max_over_real_tokens():
     keys = torch.randn(37, 2, 8)  # 3 blocks, the last with 5 tokens
-    summaries = summarize_layer(keys, block_size=16)
+    summaries = summarize_layer(keys, block_size=16, kind="minmax")
     assert summaries.shape == (2, 3, 2, 8) and summaries.dtype == torch.float32
     for head in range(2):
         for block in range(3):
             rows = keys[block * 16:(block + 1) * 16, head]
             assert torch.equal(summaries[head, block, 0], rows.amin(0))
             assert torch.equal(summaries[head, block, 1], rows.amax(0))
-    request = summarize_request(torch.stack([keys, -keys]))
+    request = summarize_request(torch.stack([keys, -keys]), kind="minmax")
     assert request.shape == (2, 2, 3, 2, 8) and torch.equal(request[0], summaries)
 
 
 def test_summarize_keys_masks_padding_rows():
     block = torch.full((16, 4), 100.0)
     block[:3] = torch.arange(12.0).view(3, 4)
-    out = summarize_keys(block, valid_tokens=3)
+    out = summarize_keys(block, valid_tokens=3, kind="minmax")
     assert torch.equal(out[0], block[:3].amin(0)) and torch.equal(out[1], block[:3].amax(0))
+
+
+def test_moment_summaries_are_mean_minus_and_plus_std_over_real_tokens():
+    keys = torch.randn(37, 2, 8) * 3 + 1  # 3 blocks, the last with 5 tokens
+    summaries = summarize_layer(keys, block_size=16, kind="moments")
+    assert summaries.shape == (2, 3, 2, 8) and summaries.dtype == torch.float32
+    for head in range(2):
+        for block in range(3):
+            rows = keys[block * 16:(block + 1) * 16, head]
+            mean, std = rows.mean(0), rows.std(0, unbiased=False)
+            torch.testing.assert_close(summaries[head, block, 0], mean - std)
+            torch.testing.assert_close(summaries[head, block, 1], mean + std)
+    # Padding rows must not move the mean: a block of 3 real tokens and 13 huge ones.
+    block = torch.full((16, 4), 1e4)
+    block[:3] = torch.arange(12.0).view(3, 4)
+    masked = summarize_keys(block, valid_tokens=3, kind="moments")
+    torch.testing.assert_close(masked, summarize_keys(block[:3], kind="moments"))
+    assert torch.equal(summarize_request(keys[None], kind="moments")[0], summaries)
+
+
+def test_unknown_summary_kind_is_refused():
+    with pytest.raises(InvalidArgument, match="summary kind"):
+        summarize_keys(torch.zeros(16, 4), kind="median")
 
 
 def test_scores_equal_brute_force_on_random_data():
@@ -67,7 +90,7 @@ def test_bound_is_at_least_the_true_block_max(seed, tokens, kv_heads, group, hea
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(tokens, kv_heads, head_dim, generator=g) * scale
     queries = torch.randn(kv_heads * group, head_dim, generator=g)
-    summaries = summarize_layer(keys, block_size=16)
+    summaries = summarize_layer(keys, block_size=16, kind="minmax")
     bound = block_scores(queries, summaries)  # [kv_heads, blocks]
     for block in range(summaries.shape[1]):
         block_keys = keys[block * 16:(block + 1) * 16].float()  # [t, kv_heads, head_dim]
@@ -85,7 +108,7 @@ def test_bound_is_at_least_the_true_block_max(seed, tokens, kv_heads, group, hea
 def test_bound_on_hypothesis_chosen_points(keys, query):
     k = torch.tensor(keys).view(-1, 1, 3)
     q = torch.tensor(query).view(1, 3)
-    summaries = summarize_layer(k, block_size=16)
+    summaries = summarize_layer(k, block_size=16, kind="minmax")
     bound = block_scores(q, summaries)[0, 0]
     true_max = (k[:, 0] @ q[0]).max()
     assert bound >= true_max - 1e-3 * (1 + q.abs().sum() * k.abs().max())
@@ -110,7 +133,7 @@ def test_radius_weight_interpolates_between_center_and_bound():
 def test_bfloat16_summaries_still_bound_every_key():
     torch.manual_seed(11)
     keys = torch.randn(160, 2, 64) * 7 + 0.003  # 10 blocks, 2 KV heads
-    exact = summarize_layer(keys)
+    exact = summarize_layer(keys, kind="minmax")
     narrow = narrow_summaries(exact, torch.bfloat16)
     assert narrow.dtype == torch.bfloat16
     wide = narrow.float()
