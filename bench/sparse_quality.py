@@ -202,7 +202,9 @@ class IdealSelection:
                 score = mass.view(kv_heads, rows, num_blocks, bs).sum(-1)
             else:
                 complete = end // bs
-                summaries = summarize_layer(keys[:, : complete * bs].transpose(0, 1), bs)
+                # Every rule but `moments` is defined on the min/max box (the sketches refine it).
+                kind = "moments" if self.rule == "moments" else "minmax"
+                summaries = summarize_layer(keys[:, : complete * bs].transpose(0, 1), bs, kind)
                 if self.rule.startswith("sketch"):
                     sketched = sketch_keys(keys[:, : complete * bs], summaries, int(self.rule.removeprefix("sketch")))
                     approx = torch.einsum("hrgd,hld->hrgl", qg, sketched) * self.scale
@@ -211,10 +213,8 @@ class IdealSelection:
                     # A row with no candidate softmaxes only -inf (NaN); the candidate mask drops it below.
                     score = torch.softmax(approx, dim=-1).sum(dim=2).view(kv_heads, rows, complete, bs).sum(-1)
                 elif self.rule in ("ranking", "moments"):
-                    kind = "minmax" if self.rule == "ranking" else "moments"
-                    boxes = summarize_layer(keys[:, : complete * bs].transpose(0, 1), bs, kind)
                     weight = ranking_radius_weight(kind)
-                    score = torch.stack([rank_blocks(q[r:r + 1], boxes, self.scale, weight) for r in range(rows)], dim=1)
+                    score = torch.stack([rank_blocks(q[r:r + 1], summaries, self.scale, weight) for r in range(rows)], dim=1)
                 else:
                     weight = LINEAR_RADIUS_WEIGHT if self.rule == "linear" else 1.0
                     score = block_scores(q.float(), summaries, weight).transpose(0, 1)  # [kv_heads, rows, complete]
