@@ -256,7 +256,7 @@ def ideal_selection(llm, stored: StoredPrompt, full: list[int], context: int, ne
 
 
 def prefill_once(llm, client, prompt: list[int], budget_blocks: int, sinks: int, window: int,
-                 summary_kind: str | None = None) -> StoredPrompt:
+                 summary_kind: str = DEFAULT_SUMMARY_KIND) -> StoredPrompt:
     result = Prefiller(llm.model, client, summary_kind=summary_kind).prefill("prompt", prompt, SamplingParams(max_tokens=1), budget_blocks=budget_blocks,
                                                   excluded_head_blocks=sinks, excluded_tail_blocks=window)
     layout = result.layout

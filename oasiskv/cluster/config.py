@@ -32,7 +32,7 @@ class ServeConfig(BaseModel):
     max_queued_requests: int = Field(64, ge=0, description="requests waiting for a decode pool before 429")
     request_timeout_s: float = Field(600.0, gt=0)
     prefill_chunk_tokens: int = Field(1024, ge=16)
-    summary_kind: str = Field(
+    summary_kind: Literal[SUMMARY_KINDS] = Field(
         DEFAULT_SUMMARY_KIND, description=f"how the stores summarize each block's keys for the sparse modes, one of "
         f"{list(SUMMARY_KINDS)} (kvstore/summary.py); the prefill names it in each request's layout",
     )
@@ -45,8 +45,6 @@ class ServeConfig(BaseModel):
 
     @model_validator(mode="after")
     def _vllm_installed(self) -> "ServeConfig":
-        if self.summary_kind not in SUMMARY_KINDS:
-            raise ValueError(f"summary_kind must be one of {list(SUMMARY_KINDS)}, got {self.summary_kind!r}")
         if self.prefill_engine == "vllm":
             from ..prefill_node.vllm_worker import require_vllm
 

@@ -141,8 +141,6 @@ def summarize_request(keys: torch.Tensor, block_size: int = 16, kind: str = DEFA
     return torch.stack([summarize_layer(layer_keys, block_size, kind) for layer_keys in keys])
 
 
-
-
 def block_scores(queries: torch.Tensor, summaries: torch.Tensor, radius_weight: float = 1.0) -> torch.Tensor:
     """Upper bound of q . k in every block, summed over the query heads of each GQA group.
 

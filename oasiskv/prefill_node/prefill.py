@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kvstore import KVLayout, pack_layer, rank_blocks, ranking_radius_weight, summarize_layer
+from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, pack_layer, rank_blocks, ranking_radius_weight, summarize_layer
 from ..models.attention import AttentionBatch, PagedAttention
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
 from ..models.sampling import SamplingParams, make_generator, sample
@@ -31,11 +31,9 @@ class PrefillResult:
     kv_bytes_written: int
 
 
-def kv_layout_for(model: DecoderModel, block_size: int = 16, summary_kind: str | None = None) -> KVLayout:
-    """The store layout of `model`'s KV; `summary_kind` None: KVLayout's default."""
+def kv_layout_for(model: DecoderModel, block_size: int = 16, summary_kind: str = DEFAULT_SUMMARY_KIND) -> KVLayout:
     c = model.config
-    kind = {} if summary_kind is None else {"summary_kind": summary_kind}
-    return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, next(model.parameters()).dtype, **kind)
+    return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, next(model.parameters()).dtype, summary_kind)
 
 
 class _CapturingAttention(PagedAttention):
@@ -56,7 +54,7 @@ class _CapturingAttention(PagedAttention):
 
 class Prefiller:
     def __init__(self, model: DecoderModel, client, block_size: int = 16, chunk_tokens: int = 1024,
-                 summary_kind: str | None = None):
+                 summary_kind: str = DEFAULT_SUMMARY_KIND):
         self.model = model
         self.client = client
         self.layout = kv_layout_for(model, block_size, summary_kind)

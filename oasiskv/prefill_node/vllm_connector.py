@@ -40,7 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from ..kvstore import KVLayout, connect, pack_layer
+from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, connect, pack_layer
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class _Followed:
     saved: bool = False
 
 
-def layout_from_vllm(vllm_config, block_size: int, summary_kind: str | None = None) -> KVLayout:
+def layout_from_vllm(vllm_config, block_size: int, summary_kind: str = DEFAULT_SUMMARY_KIND) -> KVLayout:
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     dtype = vllm_config.cache_config.cache_dtype
@@ -86,7 +86,7 @@ def layout_from_vllm(vllm_config, block_size: int, summary_kind: str | None = No
         model_config.get_head_size(),
         block_size,
         model_config.dtype,
-        **({} if summary_kind is None else {"summary_kind": summary_kind}),
+        summary_kind,
     )
 
 
@@ -151,7 +151,7 @@ class OasisKVConnector(KVConnectorBase_V1):
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self.block_size = int(extra.get("block_size", 16))
         self.transport = str(extra.get("transport", "auto"))
-        self.layout = layout_from_vllm(vllm_config, self.block_size, extra.get("summary_kind"))
+        self.layout = layout_from_vllm(vllm_config, self.block_size, str(extra.get("summary_kind", DEFAULT_SUMMARY_KIND)))
         groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
         if len(groups) > 1:
             raise NotImplementedError(

@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from ..kvstore import KVLayout, KVStoreError, UnknownRequest, connect
+from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, KVStoreError, UnknownRequest, connect
 from ..models.pull import resolve_model
 from ..models.sampling import SamplingParams
 from .prefill import PrefillResult
@@ -42,7 +42,8 @@ def require_vllm() -> None:
 
 
 def vllm_engine_args(model_dir: str, dtype: str, block_size: int, chunk_tokens: int, kv_cache_bytes: int,
-                     transport: str, max_model_len: int | None = None, summary_kind: str | None = None) -> dict:
+                     transport: str, max_model_len: int | None = None,
+                     summary_kind: str = DEFAULT_SUMMARY_KIND) -> dict:
     """The vLLM `LLM(...)` arguments of a prefill instance that writes into OasisKV stores."""
     from vllm.config import KVTransferConfig
 
@@ -60,8 +61,7 @@ def vllm_engine_args(model_dir: str, dtype: str, block_size: int, chunk_tokens: 
             kv_connector="OasisKVConnector",
             kv_connector_module_path=CONNECTOR_MODULE,
             kv_role="kv_producer",
-            kv_connector_extra_config={"block_size": block_size, "transport": transport,
-                                       **({} if summary_kind is None else {"summary_kind": summary_kind})},
+            kv_connector_extra_config={"block_size": block_size, "transport": transport, "summary_kind": summary_kind},
         ),
     )
     if max_model_len:
@@ -87,7 +87,7 @@ def to_vllm_sampling(params: SamplingParams, request_id: str, store_address: str
 class VLLMPrefillWorker:
     def __init__(self, model: str, dtype: str = "float32", block_size: int = 16, chunk_tokens: int = 1024,
                  threads: int | None = None, transport: str = "auto", kv_cache_gb: float = 1.0,
-                 max_model_len: int | None = None, summary_kind: str | None = None):
+                 max_model_len: int | None = None, summary_kind: str = DEFAULT_SUMMARY_KIND):
         require_vllm()
         # One process: the connector's worker half then lives here, beside the store clients.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from ..kvstore import connect
+from ..kvstore import DEFAULT_SUMMARY_KIND, connect
 from ..models.loader import load_model_dir
 from ..models.pull import resolve_model
 from ..models.sampling import SamplingParams
@@ -16,7 +16,8 @@ from .prefill import Prefiller, PrefillResult
 
 class PrefillWorker:
     def __init__(self, model: str, dtype: str = "float32", block_size: int = 16, chunk_tokens: int = 1024,
-                 threads: int | None = None, transport: str = "auto", summary_kind: str | None = None):
+                 threads: int | None = None, transport: str = "auto",
+                 summary_kind: str = DEFAULT_SUMMARY_KIND):
         if threads:
             torch.set_num_threads(threads)
         model_dir = resolve_model(model, progress=False)
