@@ -8,7 +8,12 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from ..decode_node.config import DecodeConfig
+from ..models.device import parse_device
 from ..kvstore import DEFAULT_SUMMARY_KIND, SUMMARY_KINDS
+
+
+def torch_device_type(device: str) -> str:
+    return parse_device(device).type
 
 
 class ServeConfig(BaseModel):
@@ -23,6 +28,15 @@ class ServeConfig(BaseModel):
     store_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     transport: Literal["auto", "nixl", "tcp"] = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    device: Literal["cpu", "cuda"] = Field(
+        default_factory=lambda: os.environ.get("OASISKV_DEVICE") or "cpu",
+        description="where prefill and decode workers run the model and keep the decode KV pool; 'cuda' asks Ray for "
+        "gpus_per_worker GPU(s) per prefill and decode worker (stores stay in host memory)",
+    )
+    gpus_per_worker: float = Field(
+        1.0, gt=0, le=1, description="GPU share each prefill and decode worker asks Ray for (device='cuda'); "
+        "0.5 lets a prefill and a decode worker share one GPU",
+    )
     decode: DecodeConfig = Field(default_factory=DecodeConfig)
     placement: Literal["none", "resources"] = Field(
         "none", description="'resources': each role asks Ray for oasiskv_prefill / oasiskv_decode / oasiskv_store"
@@ -44,6 +58,17 @@ class ServeConfig(BaseModel):
     served_model_name: str | None = None
 
     @model_validator(mode="after")
+    def _decode_device_follows(self) -> "ServeConfig":
+        """`device` is the one switch; a decode.device set apart from it must agree with it."""
+        if "device" in self.decode.model_fields_set:
+            if torch_device_type(self.decode.device) != self.device:
+                raise ValueError(f"decode.device ({self.decode.device!r}) disagrees with device ({self.device!r}); "
+                                 "set device only")
+        elif self.decode.device != self.device:
+            self.decode = DecodeConfig(**{**self.decode.model_dump(exclude_unset=True), "device": self.device})
+        return self
+
+    @model_validator(mode="after")
     def _vllm_installed(self) -> "ServeConfig":
         if self.prefill_engine == "vllm":
             from ..prefill_node.vllm_worker import require_vllm
@@ -54,6 +79,13 @@ class ServeConfig(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def gpus_needed(self) -> float:
+        """GPUs the prefill and decode workers ask Ray for, all together."""
+        if self.device != "cuda":
+            return 0.0
+        return (self.prefill_workers + self.decode_workers) * self.gpus_per_worker
 
     def worker_threads(self) -> int:
         if self.threads_per_worker:

@@ -20,11 +20,33 @@ class ClusterHandles:
     stores: list[WorkerSlot]
 
 
+class NotEnoughGPUs(RuntimeError):
+    """device='cuda' asks for more GPUs than the Ray cluster has: the actors would wait forever."""
+
+
 def _options(config: ServeConfig, role: str, **extra) -> dict:
     options = {"num_cpus": 0, **extra}
     if config.placement == "resources":
         options["resources"] = {ROLE_RESOURCES[role]: 1}
+    # Ray hides every GPU from an actor that asks for none (CUDA_VISIBLE_DEVICES is emptied).
+    if config.device == "cuda" and role in ("prefill", "decode"):
+        options["num_gpus"] = config.gpus_per_worker
     return options
+
+
+def check_gpus(config: ServeConfig, cluster_gpus: float) -> None:
+    """Refuse at once a cluster this process started that cannot hold the GPU workers. A joined
+    cluster is only warned about: its GPU nodes may still be joining (KubeRay starts pods in
+    any order), and the actors then wait for them."""
+    needed = config.gpus_needed
+    if needed <= cluster_gpus + 1e-9:
+        return
+    message = (f"device='cuda' needs {needed:g} GPU(s) ({config.prefill_workers} prefill + {config.decode_workers} decode "
+               f"worker(s) x gpus_per_worker {config.gpus_per_worker:g}) but the Ray cluster has {cluster_gpus:g}")
+    if config.address:
+        log.warning("%s now; waiting for GPU nodes to join", message)
+        return
+    raise NotEnoughGPUs(message + "; lower --gpus-per-worker or the worker counts, or use --device cpu")
 
 
 def start_ray(config: ServeConfig) -> None:
@@ -47,6 +69,7 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
     from ..prefill_node.worker import PrefillWorker
 
     start_ray(config)
+    check_gpus(config, ray.cluster_resources().get("GPU", 0.0))
     threads = config.worker_threads()
     stores = []
     for i in range(config.stores):
@@ -68,7 +91,7 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
     prefill = [
         WorkerSlot(f"prefill-{i}", prefill_cls.options(**_options(config, "prefill", max_concurrency=8, max_restarts=-1)).remote(
             config.model, config.dtype, config.decode.block_size, config.prefill_chunk_tokens, threads, config.transport,
-            *prefill_extra, summary_kind=config.summary_kind))
+            *prefill_extra, summary_kind=config.summary_kind, device=config.device))
         for i in range(config.prefill_workers)
     ]
     decode = [

@@ -22,6 +22,11 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--placement", choices=["none", "resources"], default="none",
                         help="'resources': roles go where Ray advertises oasiskv_prefill/decode/store")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="where prefill and decode workers run the model and the decode KV pool lives; 'cuda' gives "
+                             "each of them --gpus-per-worker of a Ray GPU (default: $OASISKV_DEVICE, else cpu)")
+    parser.add_argument("--gpus-per-worker", type=float, default=1.0,
+                        help="GPU share per prefill and decode worker with --device cuda (0.5: two share a GPU)")
     parser.add_argument("--mode", choices=["dense", "sparse-current", "lookahead"], default="lookahead")
     parser.add_argument("--kv-pool-gb", type=float, default=1.0, help="device KV pool per decode worker")
     parser.add_argument("--budget-tokens", type=int, default=2048)
@@ -55,6 +60,7 @@ def config_from_args(args: argparse.Namespace):
                   address=args.address, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                   stores=args.stores, store_capacity_gb=args.store_capacity_gb, store_port=args.store_port,
                   transport=args.transport, placement=args.placement, dtype=args.dtype, decode=decode,
+                  gpus_per_worker=args.gpus_per_worker,
                   threads_per_worker=args.threads_per_worker, max_queued_requests=args.max_queued_requests,
                   request_timeout_s=args.request_timeout_s, prefill_engine=args.prefill_engine,
                   vllm_kv_cache_gb=args.vllm_kv_cache_gb, vllm_max_model_len=args.vllm_max_model_len)
@@ -62,6 +68,8 @@ def config_from_args(args: argparse.Namespace):
         fields["api_key"] = args.api_key
     if args.summary_kind:
         fields["summary_kind"] = args.summary_kind
+    if args.device:
+        fields["device"] = args.device
     return ServeConfig(**fields)
 
 
@@ -69,6 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from ..models.errors import ModelError
+    from .launcher import NotEnoughGPUs
     from .server import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -79,7 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         run_server(config)
-    except ModelError as error:
+    except (ModelError, NotEnoughGPUs) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from ..models.device import parse_device
 
 Mode = Literal["dense", "sparse-current", "lookahead"]
 
@@ -41,8 +43,15 @@ class DecodeConfig(BaseModel):
     )
     max_num_seqs: int = Field(32, ge=1)
     block_size: int = Field(16, ge=1)
-    device: str = "cpu"
+    device: str = Field("cpu", description="cpu, cuda or cuda:N: where the model and the KV pool live (the decode "
+                        "engine checks that the GPU is usable when it starts, not here: a head node may have none)")
     fetch_timeout_s: float = Field(30.0, gt=0)
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, value: str) -> str:
+        parse_device(value)
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> "DecodeConfig":

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, ranking_radius_weight, summarize_keys
+from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
 from ..models.engine.stopping import finish_reason, visible_text
 from ..models.sampling import SamplingParams, make_generator
@@ -73,6 +74,7 @@ class DecodeEngine:
         from ..prefill_node.prefill import kv_layout_for  # geometry helper only
 
         self.config = config or DecodeConfig()
+        require_device(self.config.device)  # before anything is allocated there
         self.model = model
         self.tokenizer = tokenizer
         self.client = IOThreadClient(client, self.config.fetch_timeout_s)

@@ -16,6 +16,7 @@ from dataclasses import asdict
 
 import torch
 
+from ..models.device import require_device
 from ..models.loader import load_model_dir
 from ..models.pull import resolve_model
 from ..models.sampling import SamplingParams
@@ -34,7 +35,7 @@ def build_drafter(name: str, target, target_tokenizer, dtype: torch.dtype):
     from .draft_model import DraftModelDrafter
 
     draft_dir = resolve_model(name, progress=False)
-    draft = load_model_dir(draft_dir, dtype=dtype)
+    draft = load_model_dir(draft_dir, dtype=dtype, device=next(target.parameters()).device)
     return DraftModelDrafter(draft, target.config.vocab_size, load_tokenizer(draft_dir), target_tokenizer)
 
 
@@ -44,6 +45,7 @@ class DecodeWorker:
         if threads:
             torch.set_num_threads(threads)
         self.config = DecodeConfig(**(config or {}))
+        require_device(self.config.device)  # before minutes of model loading
         model_dir = resolve_model(model, progress=False)
         torch_dtype = getattr(torch, dtype)
         self.model = load_model_dir(model_dir, dtype=torch_dtype, device=self.config.device)

@@ -18,6 +18,7 @@ import threading
 import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, KVStoreError, UnknownRequest, connect
+from ..models.device import require_device
 from ..models.pull import resolve_model
 from ..models.sampling import SamplingParams
 from .prefill import PrefillResult
@@ -87,8 +88,10 @@ def to_vllm_sampling(params: SamplingParams, request_id: str, store_address: str
 class VLLMPrefillWorker:
     def __init__(self, model: str, dtype: str = "float32", block_size: int = 16, chunk_tokens: int = 1024,
                  threads: int | None = None, transport: str = "auto", kv_cache_gb: float = 1.0,
-                 max_model_len: int | None = None, summary_kind: str = DEFAULT_SUMMARY_KIND):
+                 max_model_len: int | None = None, summary_kind: str = DEFAULT_SUMMARY_KIND, device: str = "cpu"):
         require_vllm()
+        # vLLM picks its platform from how it was built; this only checks that a GPU asked for is there.
+        require_device(device)
         # One process: the connector's worker half then lives here, beside the store clients.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # Pinning OpenMP threads to cores fights the decode worker sharing the machine.

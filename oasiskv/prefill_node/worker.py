@@ -8,6 +8,7 @@ import threading
 import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, connect
+from ..models.device import require_device
 from ..models.loader import load_model_dir
 from ..models.pull import resolve_model
 from ..models.sampling import SamplingParams
@@ -17,11 +18,12 @@ from .prefill import Prefiller, PrefillResult
 class PrefillWorker:
     def __init__(self, model: str, dtype: str = "float32", block_size: int = 16, chunk_tokens: int = 1024,
                  threads: int | None = None, transport: str = "auto",
-                 summary_kind: str = DEFAULT_SUMMARY_KIND):
+                 summary_kind: str = DEFAULT_SUMMARY_KIND, device: str = "cpu"):
+        require_device(device)  # before minutes of model loading
         if threads:
             torch.set_num_threads(threads)
         model_dir = resolve_model(model, progress=False)
-        self.model = load_model_dir(model_dir, dtype=getattr(torch, dtype))
+        self.model = load_model_dir(model_dir, dtype=getattr(torch, dtype), device=device)
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         self.transport = transport

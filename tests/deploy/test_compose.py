@@ -133,3 +133,6 @@ def test_gpu_override_gives_prefill_and_decode_a_gpu_each():
         if name in ("ray-head", "prefill", "decode", "store"):
             assert service["build"]["args"]["DEVICE"] == "cuda"
             assert service["image"] == "oasiskv:cuda"
+    # The head's `oasiskv serve` reads it: workers ask Ray for the GPUs (Ray hides them otherwise).
+    assert model["services"]["ray-head"]["environment"]["OASISKV_DEVICE"] == "cuda"
+    assert "OASISKV_DEVICE" not in resolved()["services"]["ray-head"]["environment"]

@@ -138,6 +138,7 @@ def test_crd_schema_catches_a_misspelt_field(rendered):
 
 def test_values_schema_rejects_bad_values():
     for bad in ("workers.decode.replicas=0", "serve.mode=fast", "serve.prefillEngine=sglang", "image.device=tpu",
+                "serve.device=gpu",
                 "serve.port=6379",
                 "networkPolicy.apiFrom[0].podSelectr.a=b"):
         result = helm_template(None, "--set", bad, check=False)
@@ -352,3 +353,40 @@ def test_prefill_engine_reaches_oasiskv_serve():
     for engine in ("oasiskv", "vllm"):
         docs = [d for d in yaml.safe_load_all(helm_template(None, "--set", f"serve.prefillEngine={engine}").stdout) if d]
         assert head_args(one(docs, "RayCluster"))["--prefill-engine"] == engine
+
+
+def test_serve_device_follows_the_image_and_gives_each_worker_its_pods_gpu_share(rendered):
+    name, docs = rendered
+    args = head_args(one(docs, "RayCluster"))
+    values = effective_values(name)
+    device = values["serve"].get("device") or values["image"]["device"]
+    assert args["--device"] == device, name
+    if device == "cuda":
+        groups = [values["workers"][role] for role in ("prefill", "decode")]
+        assert float(args["--gpus-per-worker"]) == min(1, *(g["gpus"] / g["rayResourceUnits"] for g in groups))
+    else:
+        assert "--gpus-per-worker" not in args
+    if name == "gpu-cluster":
+        assert args["--device"] == "cuda"
+
+
+def test_two_decode_workers_per_gpu_pod_ask_for_half_a_gpu_each():
+    gpu_values = VALUE_SETS["gpu-cluster"]
+    docs = [d for d in yaml.safe_load_all(helm_template(gpu_values, "--set", "workers.decode.rayResourceUnits=2").stdout) if d]
+    args = head_args(one(docs, "RayCluster"))
+    assert (args["--device"], args["--gpus-per-worker"]) == ("cuda", "0.5")
+
+
+def test_cuda_workers_without_gpus_or_without_the_cuda_image_are_refused():
+    gpu_values = VALUE_SETS["gpu-cluster"]
+    for values, setting, message in (
+        (None, "serve.device=cuda", "set image.device=cuda"),
+        (gpu_values, "workers.decode.gpus=0", "workers.decode.gpus >= 1"),
+        (None, "image.device=cuda", "workers.prefill.gpus >= 1"),
+    ):
+        result = helm_template(values, "--set", setting, check=False)
+        assert result.returncode != 0 and message in result.stderr, (setting, result.stderr)
+    # A CUDA image may still run its workers on CPU.
+    docs = [d for d in yaml.safe_load_all(
+        helm_template(None, "--set", "image.device=cuda", "--set", "serve.device=cpu").stdout) if d]
+    assert head_args(one(docs, "RayCluster"))["--device"] == "cpu"

@@ -48,6 +48,30 @@ app.kubernetes.io/part-of: oasiskv
 {{- mul $group.replicas $group.rayResourceUnits -}}
 {{- end }}
 
+{{/* Where prefill and decode workers run the model: serve.device, else the image's variant. */}}
+{{- define "oasiskv.serveDevice" -}}
+{{- $device := .Values.serve.device | default .Values.image.device -}}
+{{- if and (eq $device "cuda") (ne .Values.image.device "cuda") -}}
+{{- fail "serve.device=cuda needs the CUDA image: set image.device=cuda" -}}
+{{- end -}}
+{{- $device -}}
+{{- end }}
+
+{{/* `oasiskv serve --gpus-per-worker` for device cuda: the smallest share of a GPU a prefill or
+     decode worker gets in its pod (gpus / rayResourceUnits), at most one. Ray hides every GPU
+     from an actor that asks for none, so a group without GPUs cannot run cuda workers. */}}
+{{- define "oasiskv.gpusPerWorker" -}}
+{{- $shares := list -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $group := index $.Values.workers $role -}}
+{{- if lt (int $group.gpus) 1 -}}
+{{- fail (printf "serve.device=cuda needs workers.%s.gpus >= 1" $role) -}}
+{{- end -}}
+{{- $shares = append $shares (divf $group.gpus $group.rayResourceUnits) -}}
+{{- end -}}
+{{- minf 1 (index $shares 0) (index $shares 1) -}}
+{{- end }}
+
 {{/* The rayStartParams `resources` value in KubeRay's documented format: a JSON object inside
      literal double quotes, backslash-escaped, because KubeRay pastes it into a shell command. */}}
 {{- define "oasiskv.rayResources" -}}

@@ -11,6 +11,7 @@ import torch
 from pydantic import BaseModel, Field, field_validator
 from tqdm.auto import tqdm
 
+from ..device import require_device
 from ..attention import AttentionBatch, PagedAttention
 from ..kv_cache import KVCacheSpec, PagedKVCache
 from ..sampling import SamplingParams, make_generator, sample
@@ -39,8 +40,7 @@ class EngineConfig(BaseModel):
     @field_validator("device")
     @classmethod
     def _device_exists(cls, value: str) -> str:
-        if value.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {value!r} requested but CUDA is not available")
+        require_device(value)
         return value
 
     def torch_dtype(self) -> torch.dtype:
