@@ -72,7 +72,7 @@ MODES = ("dense", "sparse-current", "lookahead")
 GOAL_SPEEDUP = 2.0
 GOAL_LESS_KV = 6.0
 # DecodeConfig fields a run may override from the command line.
-OVERRIDES = ("max_replace_fraction",)
+OVERRIDES = ("max_replace_fraction", "lookahead_topup_blocks")
 REQUEST_STEP = 64  # tokens between the prompt lengths of a context's requests
 
 
@@ -353,6 +353,8 @@ def main(argv=None) -> int:
     parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
     parser.add_argument("--max-replace-fraction", type=float, default=None,
                         help="budget share one step may replace (default: DecodeConfig's)")
+    parser.add_argument("--lookahead-topup-blocks", type=int, default=None,
+                        help="lookahead's on-demand top-up per layer and KV head (default: DecodeConfig's, 0)")
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))

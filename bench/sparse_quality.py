@@ -297,7 +297,7 @@ def run_engine(llm, client, stored: StoredPrompt, config: DecodeConfig, params: 
 
 
 # DecodeConfig fields a run may override from the command line.
-OVERRIDES = ("max_replace_fraction", "radius_weight")
+OVERRIDES = ("max_replace_fraction", "radius_weight", "lookahead_topup_blocks")
 
 
 def main(argv=None) -> int:
@@ -316,6 +316,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-replace-fraction", type=float, default=None,
                         help="budget share one step may replace (default: DecodeConfig's)")
     parser.add_argument("--radius-weight", type=float, default=None, help="block ranking's radius weight (default: DecodeConfig's)")
+    parser.add_argument("--lookahead-topup-blocks", type=int, default=None,
+                        help="lookahead's on-demand top-up per layer and KV head (default: DecodeConfig's, 0)")
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--skip-free-running", action="store_true", help="teacher-forced pass only")
     parser.add_argument("--skip-ideal", action="store_true", help="skip the ideal-selection diagnostic")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..models.attention import (
@@ -26,7 +27,7 @@ from ..models.attention import (
     unbatch_outputs,
 )
 from .counters import DecodeCounters
-from .lookahead import plan_replacements, recall, replacement_cap, select_blocks
+from .lookahead import Selection, plan_replacements, recall, replacement_cap, select_blocks_batched
 from .triton_attention import sparse_paged_attention
 from .working_set import EMPTY, DevicePool, WorkingSet
 
@@ -62,7 +63,7 @@ def gathered_attention(queries: torch.Tensor, units_kv: torch.Tensor, unit_ids: 
 class SparseAttention:
     def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace_fraction: float, miss_policy: str,
                  counters: DecodeCounters, fetch_timeout_s: float, recall_sample_steps: int = 1,
-                 use_triton: bool = False):
+                 use_triton: bool = False, topup_blocks: int = 0):
         self.pool = pool
         self.client = client
         self.sliding_window = sliding_window
@@ -73,6 +74,7 @@ class SparseAttention:
         self.fetch_timeout_s = fetch_timeout_s
         self.recall_sample_steps = recall_sample_steps
         self.use_triton = use_triton
+        self.topup_blocks = topup_blocks
         self.requests: list[StepRequest] = []
         self.batch: AttentionBatch | None = None
         self.step_index = 0
@@ -138,10 +140,13 @@ class SparseAttention:
         current = [q[start : start + 1] for start in row_starts]  # each request's current query
         sparse = [i for i, r in enumerate(self.requests) if r.mode != "dense" and r.ws.plan.budget]
         if (self.step_index - 1) % self.recall_sample_steps == 0:  # the first step is always sampled
-            for i in sparse:
-                self._track_recall(layer, self.requests[i], current[i])
+            self._track_recall(layer, [(self.requests[i], current[i]) for i in sparse])
         on_demand = [i for i in sparse if self.requests[i].mode == "sparse-current"]
         self._select_and_fetch(layer, [(self.requests[i], current[i]) for i in on_demand], wait=True)
+        if self.topup_blocks:
+            topup = [i for i in sparse if self.requests[i].mode == "lookahead"]
+            self._select_and_fetch(layer, [(self.requests[i], current[i]) for i in topup], wait=True,
+                                   cap=self.topup_blocks)
         self._write_new_kv(layer, k, v)
         out = self._attend_resident(layer, q)
         lookahead = []
@@ -192,19 +197,30 @@ class SparseAttention:
         window_start = req.ws.window_blocks(tail).start
         return req.ws.plan.sinks, min(window_start, req.summaries.shape[2])
 
-    def _top_blocks(self, req: StepRequest, layer: int, query: torch.Tensor) -> torch.Tensor:
-        first, end = self._candidate_range(req)
-        budget = min(req.budget_blocks, req.ws.plan.budget)
-        return select_blocks(query, req.summaries[layer], first, end, budget, self.scale, req.radius_weight)
-
-    def _select_and_fetch(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]], wait: bool) -> None:
-        fetches = []
+    def _top_blocks(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]]) -> list[np.ndarray]:
+        """Each request's top-K blocks of `layer` for its query rows ([kv_heads, k'] on the host),
+        ranked for all requests in one batch."""
+        selections = []
         for req, query in work:
+            first, end = self._candidate_range(req)
             budget = min(req.budget_blocks, req.ws.plan.budget)
-            cap = None if wait else replacement_cap(req.ws, layer, budget * self.max_replace_fraction)
-            if cap == 0:
-                continue  # nothing may move this step: the selection would be thrown away
-            plan = plan_replacements(req.ws, layer, self._top_blocks(req, layer, query), self.step_index, cap)
+            selections.append(Selection(query, req.summaries[layer], first, end, budget, req.radius_weight))
+        return select_blocks_batched(selections, self.scale)
+
+    def _select_and_fetch(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]], wait: bool,
+                          cap: int | None = None) -> None:
+        """wait=False: the look-ahead prefetch, capped by the replacement rate. wait=True: an
+        on-demand fetch of the query's missing top-K, at most `cap` blocks per head (None: all)."""
+        caps = []
+        for req, _ in work:
+            budget = min(req.budget_blocks, req.ws.plan.budget)
+            caps.append(cap if wait else replacement_cap(req.ws, layer, budget * self.max_replace_fraction))
+        # A request that may move nothing this step is not ranked: its selection would be thrown away.
+        work = [(item, c) for item, c in zip(work, caps) if c != 0]
+        fetches = []
+        wanted_sets = self._top_blocks(layer, [item for item, _ in work])
+        for ((req, _), c), wanted in zip(work, wanted_sets):
+            plan = plan_replacements(req.ws, layer, wanted, self.step_index, c)
             if len(plan):
                 fetches.append((req.ws, plan))
         if not fetches:
@@ -253,9 +269,9 @@ class SparseAttention:
         ws.pending[layer] = None
         ws.in_flight[layer] = False
 
-    def _track_recall(self, layer: int, req: StepRequest, current: torch.Tensor) -> None:
-        """How many of the current query's top-K blocks are resident (were predicted)."""
-        actual = self._top_blocks(req, layer, current)
-        if actual.numel():
-            resident = req.ws.blocks[layer, :, req.ws.budget_slice]
-            self.counters.add_recall(recall(resident, actual.cpu()))
+    def _track_recall(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]]) -> None:
+        """How many of each current query's top-K blocks are resident (were predicted)."""
+        for (req, _), actual in zip(work, self._top_blocks(layer, work)):
+            if actual.size:
+                resident = req.ws.blocks[layer, :, req.ws.budget_slice]
+                self.counters.add_recall(recall(resident, torch.from_numpy(actual)))

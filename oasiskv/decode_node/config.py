@@ -23,6 +23,10 @@ class DecodeConfig(BaseModel):
         0.05, gt=0, le=1,
         description="budget share each layer and KV head may replace per step, on average (fractions of a block carry over)",
     )
+    lookahead_topup_blocks: int = Field(
+        0, ge=0, description="lookahead only: before attending, fetch on demand (and wait for) up to this many blocks "
+        "per layer and KV head among the current query's top-K that the prediction missed; 0: pure look-ahead",
+    )
     radius_weight: float | None = Field(
         None, ge=0, le=1,
         description="a block's estimated logit is q.center + w |q|.radius of its key summary box (for min/max, 1 is the "

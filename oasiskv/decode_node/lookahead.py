@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..kvstore import rank_blocks
+from ..kvstore.summary import query_weights, softmax_shares
 from .working_set import EMPTY, WorkingSet
 
 
@@ -50,6 +51,60 @@ def select_blocks(queries: torch.Tensor, summaries: torch.Tensor, first: int, en
         return torch.empty((summaries.shape[0], 0), dtype=torch.long)
     scores = rank_blocks(queries, summaries[:, first:end], scale, radius_weight)
     return torch.topk(scores, k, dim=-1).indices + first
+
+
+@dataclass
+class Selection:
+    """One request's part of a batched selection: its query rows ([rows, q_heads, d]), its
+    summaries of one layer ([kv_heads, blocks, 2, d]), the run of candidate blocks first..end-1,
+    how many to keep and the radius weight of its summary kind."""
+
+    queries: torch.Tensor
+    summaries: torch.Tensor
+    first: int
+    end: int
+    k: int
+    radius_weight: float
+
+
+def select_blocks_batched(selections: list[Selection], scale: float) -> list[np.ndarray]:
+    """`select_blocks` for many requests at once: [kv_heads, k'] block ids on the host, best
+    first, per selection (k' = min(k, end - first); none when that is 0).
+
+    The query weights, the softmax, the top-k and the copy to the host are one operation each for
+    the whole batch, over each request's candidates padded to the longest run; only each
+    request's matmul against its own summaries is its own. A decode step ranks every running
+    request in every layer, so per-request operations (a dozen each, and on a GPU a host sync
+    each for the bookkeeping) were most of the selection's time."""
+    live = [i for i, s in enumerate(selections) if min(s.k, s.end - s.first) > 0]
+    out = [np.empty((s.summaries.shape[0], 0), dtype=np.int64) for s in selections]
+    if not live:
+        return out
+    chosen = [selections[i] for i in live]
+    kv_heads, _, _, head_dim = chosen[0].summaries.shape
+    device = chosen[0].summaries.device
+    counts = torch.tensor([len(s.queries) for s in chosen], device=device)
+    rows = torch.cat([s.queries for s in chosen]).float()
+    rows = rows.reshape(len(rows), kv_heads, -1, head_dim)  # [all rows, kv_heads, group, d]
+    segment = torch.repeat_interleave(torch.arange(len(chosen), device=device), counts)
+    totals = rows.new_zeros((len(chosen), *rows.shape[1:]))
+    q_mean = totals.index_add(0, segment, rows) / counts[:, None, None, None]
+    q_abs = totals.index_add(0, segment, rows.abs()) / counts[:, None, None, None]
+    radius = torch.tensor([s.radius_weight for s in chosen], device=device)[:, None, None, None]
+    weights = query_weights(q_mean, q_abs, scale, radius)  # [R, kv_heads, group, 2d]
+    lengths = [s.end - s.first for s in chosen]
+    logits = weights.new_full((len(chosen), kv_heads, weights.shape[2], max(lengths)), float("-inf"))
+    for i, s in enumerate(chosen):
+        flat = s.summaries[:, s.first : s.end].float().reshape(kv_heads, lengths[i], 2 * head_dim)
+        logits[i, :, :, : lengths[i]] = torch.bmm(weights[i], flat.transpose(1, 2))
+    shares = softmax_shares(logits)  # [R, kv_heads, longest run]; padding gets 0
+    padding = torch.arange(shares.shape[-1], device=device) >= torch.tensor(lengths, device=device)[:, None]
+    shares = shares.to(device).masked_fill(padding[:, None, :], -1.0)  # below any real share, even one that underflowed to 0
+    ks = [min(s.k, n) for s, n in zip(chosen, lengths)]
+    best = torch.topk(shares, max(ks), dim=-1).indices.cpu().numpy()
+    for row, (i, s, k) in enumerate(zip(live, chosen, ks)):
+        out[i] = best[row, :, :k] + s.first
+    return out
 
 
 def top_blocks(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -191,30 +191,41 @@ def rank_blocks(queries: torch.Tensor, summaries: torch.Tensor, scale: float,
             "(need [rows, q_heads, head_dim] with q_heads a multiple of kv_heads)"
         )
     q = queries.float().reshape(queries.shape[0], kv_heads, -1, head_dim)
-    q_mean = q.mean(dim=0)  # [kv_heads, group, d]: the logit is linear in q, so rows average first
-    q_abs = q.abs().mean(dim=0) * radius_weight
-    # q.center + w|q|.radius = lo.(q - w|q|)/2 + hi.(q + w|q|)/2: one matmul against the summaries as stored.
-    weights = torch.cat(((q_mean - q_abs) * (0.5 * scale), (q_mean + q_abs) * (0.5 * scale)), dim=-1)
+    weights = query_weights(q.mean(dim=0), q.abs().mean(dim=0), scale, radius_weight)
     flat = summaries.float().reshape(kv_heads, num_blocks, 2 * head_dim)
     if num_blocks == 0:
         return flat.new_zeros((kv_heads, 0))
-    logits = torch.bmm(weights, flat.transpose(1, 2))  # [kv_heads, group, blocks]
+    return softmax_shares(torch.bmm(weights, flat.transpose(1, 2)))  # logits [kv_heads, group, blocks]
+
+
+def query_weights(q_mean: torch.Tensor, q_abs: torch.Tensor, scale: float, radius_weight) -> torch.Tensor:
+    """[..., d] query rows' mean and mean |q| (the logit is linear in q, so rows average first) ->
+    [..., 2d] weights whose product with a stored [lo; hi] summary is scale * (q.center + w |q|.radius):
+    q.center + w|q|.radius = lo.(q - w|q|)/2 + hi.(q + w|q|)/2, one matmul against the summaries as
+    stored. `radius_weight` is a float or a tensor that broadcasts against q_abs."""
+    q_abs = q_abs * radius_weight
+    return torch.cat(((q_mean - q_abs) * (0.5 * scale), (q_mean + q_abs) * (0.5 * scale)), dim=-1)
+
+
+def softmax_shares(logits: torch.Tensor) -> torch.Tensor:
+    """[..., group, blocks] logits -> [..., blocks]: each query head's softmax over the blocks,
+    summed over the group's heads."""
     if logits.device.type == "cpu":
         return _softmax_shares_numpy(logits)
-    return torch.softmax(logits, dim=-1).sum(dim=1)
+    return torch.softmax(logits, dim=-1).sum(dim=-2)
 
 
 def _softmax_shares_numpy(logits: torch.Tensor) -> torch.Tensor:
-    """torch.softmax(logits, -1).sum(1) in numpy. Measured on this 2-core machine, with the
+    """torch.softmax(logits, -1).sum(-2) in numpy. Measured on this 2-core machine, with the
     model's GEMMs in between as in a decode step (1,000 blocks, Qwen 0.5B's 7 heads per group):
     torch's softmax splits across OpenMP threads whose wake-up cost more than the work, and
     numpy's matmul (OpenBLAS) left its threads spinning against torch's: 0.14 ms a call this
     way, 0.39 ms with the matmul in numpy too."""
     shares = logits.numpy()
-    shares -= shares.max(axis=2, keepdims=True)
+    shares -= shares.max(axis=-1, keepdims=True)
     np.exp(shares, out=shares)
-    shares /= shares.sum(axis=2, keepdims=True)
-    return torch.from_numpy(shares.sum(axis=1))
+    shares /= shares.sum(axis=-1, keepdims=True)
+    return torch.from_numpy(shares.sum(axis=-2))
 
 
 def block_scores_reference(queries: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:

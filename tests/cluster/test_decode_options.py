@@ -42,6 +42,13 @@ def test_the_command_line_exits_2_on_a_bad_fraction_without_starting_ray():
     assert "max_replace_fraction" in done.stderr
 
 
+def test_lookahead_topup_reaches_the_decode_config():
+    assert _config().decode.lookahead_topup_blocks == 0
+    assert _config("--lookahead-topup-blocks", "4").decode.lookahead_topup_blocks == 4
+    with pytest.raises(ValidationError, match="lookahead_topup_blocks"):
+        _config("--lookahead-topup-blocks", "-1")
+
+
 def test_summary_kind_reaches_the_cluster_config():
     assert _config().summary_kind == DEFAULT_SUMMARY_KIND == "moments"
     assert _config("--summary-kind", "minmax").summary_kind == "minmax"

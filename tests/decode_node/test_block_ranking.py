@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oasiskv.decode_node.lookahead import score_blocks, select_blocks, top_blocks
+from oasiskv.decode_node.lookahead import Selection, score_blocks, select_blocks, select_blocks_batched, top_blocks
 from oasiskv.kvstore import InvalidArgument, block_scores, rank_blocks, summarize_layer
 
 SCALE = 64**-0.5
@@ -99,6 +99,43 @@ def test_selecting_a_run_of_candidates_equals_masking_the_rest(first, end, k):
     assert torch.equal(got, expected)
 
 
+def _mixed_batch(device="cpu") -> list[Selection]:
+    """Requests as a decode step has them: runs of different lengths (one empty, one shorter than
+    k), 1 or 3 query rows, and both summary kinds' radius weights."""
+    generator = torch.Generator().manual_seed(7)
+    selections = []
+    for i, (blocks, first, end, k, rows, weight) in enumerate(
+        [(60, 1, 55, 16, 3, 0.5), (45, 1, 40, 16, 1, 0.2), (30, 1, 9, 16, 3, 0.5), (50, 3, 3, 16, 3, 0.5),
+         (80, 2, 75, 40, 2, 0.2)]
+    ):
+        summaries = summarize_layer(torch.randn(blocks * 16, 2, 64, generator=generator), 16)
+        queries = torch.randn(rows, 14, 64, generator=generator)
+        selections.append(Selection(queries.to(device), summaries.to(device), first, end, k, weight))
+    return selections
+
+
+def test_batched_selection_equals_selecting_each_request_alone():
+    selections = _mixed_batch()
+    got = select_blocks_batched(selections, SCALE)
+    for s, blocks in zip(selections, got):
+        expected = select_blocks(s.queries, s.summaries, s.first, s.end, s.k, SCALE, s.radius_weight)
+        assert blocks.shape == tuple(expected.shape) == (2, max(0, min(s.k, s.end - s.first)))
+        assert (blocks == expected.numpy()).all()
+    assert select_blocks_batched([], SCALE) == []
+
+
+def test_batched_selection_prefers_a_real_block_whose_share_underflowed_to_padding():
+    """A block far below the best gets a softmax share of exactly 0; it must still beat the
+    padding of a shorter request's run."""
+    summaries = torch.zeros(2, 4, 2, 64)
+    summaries[:, 0] = 50.0  # one block far above the others
+    queries = torch.ones(1, 14, 64)
+    short = Selection(queries, summaries, 0, 4, 4, 0.5)
+    long = Selection(queries, torch.zeros(2, 40, 2, 64), 0, 40, 4, 0.5)
+    blocks = select_blocks_batched([short, long], SCALE)[0]
+    assert sorted(blocks[0].tolist()) == [0, 1, 2, 3]
+
+
 def test_the_numpy_softmax_equals_torch_softmax():
     """rank_blocks takes the softmax in numpy on the CPU and in torch elsewhere."""
     from oasiskv.kvstore.summary import _softmax_shares_numpy
@@ -119,3 +156,13 @@ def test_ranking_on_cuda_equals_the_cpu_ranking():
     on_cuda = rank_blocks(queries.cuda(), summaries.cuda(), SCALE, 0.5)
     assert on_cuda.device.type == "cuda"
     torch.testing.assert_close(on_cuda.cpu(), on_cpu, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_batched_selection_on_cuda_equals_the_cpu_selection():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    on_cpu = select_blocks_batched(_mixed_batch(), SCALE)
+    on_cuda = select_blocks_batched(_mixed_batch("cuda"), SCALE)
+    for a, b in zip(on_cpu, on_cuda):
+        assert (a == b).all()

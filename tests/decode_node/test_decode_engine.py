@@ -89,6 +89,19 @@ def test_small_budget_fetches_only_the_predicted_blocks(smollm2_llm, store, prom
     assert engine.pool.allocator.num_free == engine.pool.num_rows
 
 
+def test_lookahead_topped_up_to_the_whole_budget_attends_as_sparse_current(smollm2_llm, store, prompts):
+    """A top-up as large as the budget fetches every block of the current query's top-K that the
+    prediction missed before attending: the attended set is sparse-current's, so are the tokens."""
+    small = dict(budget_tokens=160, kv_pool_gb=0.25)
+    _, current = _run(smollm2_llm, store, prompts, DecodeConfig(mode="sparse-current", **small), tag="-topup-ref")
+    pure, predicted = _run(smollm2_llm, store, prompts, DecodeConfig(mode="lookahead", **small), tag="-topup0")
+    config = DecodeConfig(mode="lookahead", lookahead_topup_blocks=160 // 16, **small)
+    topped, tokens = _run(smollm2_llm, store, prompts, config, tag="-topup")
+    assert tokens == current
+    assert topped.counters.blocks_fetched > pure.counters.blocks_fetched  # the top-up fetched on demand
+    assert topped.pool.allocator.num_free == topped.pool.num_rows
+
+
 @pytest.mark.parametrize("kind", ["minmax", "moments"])
 def test_write_back_summarizes_as_the_prompt_was(smollm2_llm, store, prompts, kind):
     """The node summarizes the blocks it writes back itself (no read from the store) with the
