@@ -281,14 +281,35 @@ def breakdown(t: dict) -> dict:
 
 
 # -- one mode run ---------------------------------------------------------------------------------
-def run_mode(llm, client, prompts: PromptSet, mode: str, lengths: list[int], args, pool_gb: float, tag: str) -> dict:
+VARIANTS = {"topup": "lookahead_topup_blocks", "rate": "max_replace_fraction"}
+
+
+def parse_mode(label: str) -> tuple[str, dict]:
+    """'lookahead+topup4+rate0.01' -> ('lookahead', {lookahead_topup_blocks: 4, max_replace_fraction: 0.01}):
+    variants of a mode run side by side with it, in the same run."""
+    mode, *variants = label.split("+")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r} in {label!r}: one of {', '.join(MODES)}")
+    overrides = {}
+    for variant in variants:
+        name = next((n for n in VARIANTS if variant.startswith(n)), None)
+        if name is None:
+            raise ValueError(f"unknown variant {variant!r} in {label!r}: topupN or rateF")
+        field = VARIANTS[name]
+        overrides[field] = (int if field == "lookahead_topup_blocks" else float)(variant[len(name):])
+    return mode, overrides
+
+
+def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], args, pool_gb: float, tag: str) -> dict:
+    mode, variant = parse_mode(label)
     config = DecodeConfig(mode=mode, kv_pool_gb=pool_gb, budget_tokens=args.budget_tokens,
                           num_draft_tokens=args.num_draft_tokens, sink_blocks=args.sink_blocks,
                           window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)),
-                          **{name: getattr(args, name) for name in OVERRIDES if getattr(args, name, None) is not None})
+                          **{name: getattr(args, name) for name in OVERRIDES if getattr(args, name, None) is not None},
+                          **variant)
     engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=NgramDrafter())
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-    ids = [f"{tag}-{mode}-{i}" for i in range(len(lengths))]
+    ids = [f"{tag}-{label}-{i}" for i in range(len(lengths))]
     write_started = time.perf_counter()
     results = [prompts.write(client, rid, length, config.budget_blocks) for rid, length in zip(ids, lengths)]
     write_s = time.perf_counter() - write_started
@@ -306,7 +327,8 @@ def run_mode(llm, client, prompts: PromptSet, mode: str, lengths: list[int], arg
     moved = c["bytes_fetched"] + c["admission_bytes_fetched"] + c["summary_bytes_fetched"]
     layout = engine.layout
     return {
-        "mode": mode, "requests": len(lengths), "wall_s": wall, "store_write_s": write_s,
+        "mode": label, "base_mode": mode, "variant": variant, "requests": len(lengths), "wall_s": wall,
+        "store_write_s": write_s,
         "generated_tokens": c["generated_tokens"], "tokens_per_s": c["generated_tokens"] / wall,
         "steps": c["steps"], "mean_batch": timers.request_steps / max(1, c["steps"]),
         "kv_bytes_moved": moved, "kv_bytes_per_request": moved / len(lengths),
@@ -320,7 +342,7 @@ def run_mode(llm, client, prompts: PromptSet, mode: str, lengths: list[int], arg
         "acceptance_rate": c["acceptance_rate"], "prediction_recall": c["prediction_recall"],
         "prefetch_hits": c["prefetch_hits"], "prefetch_misses": c["prefetch_misses"],
         "breakdown_s": breakdown(timers.t), "timers_s": timers.t, "counters": c,
-        "outputs": {rid[len(tag) + len(mode) + 2 :]: final[rid].token_ids for rid in ids},
+        "outputs": {rid[len(tag) + len(label) + 2 :]: final[rid].token_ids for rid in ids},
     }
 
 
@@ -348,7 +370,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sink-blocks", type=int, default=1)
     parser.add_argument("--window-blocks", type=int, default=4)
     parser.add_argument("--dense-fit", type=int, default=4, help="requests the pool holds in dense mode")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated; a mode may carry variants run beside it: lookahead+topup4, lookahead+rate0.01")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every mode; medians reported")
     parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
     parser.add_argument("--max-replace-fraction", type=float, default=None,
@@ -366,6 +389,11 @@ def main(argv=None) -> int:
     if any(c % BLOCK for c in contexts):
         parser.error("contexts must be multiples of 16")
     modes = args.modes.split(",")
+    for label in modes:
+        try:
+            parse_mode(label)
+        except ValueError as error:
+            parser.error(str(error))
     k = args.num_draft_tokens
 
     started = time.perf_counter()
