@@ -8,12 +8,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from ..decode_node.config import DecodeConfig
-from ..models.device import parse_device
 from ..kvstore import DEFAULT_SUMMARY_KIND, SUMMARY_KINDS
-
-
-def torch_device_type(device: str) -> str:
-    return parse_device(device).type
+from ..models.device import parse_device
 
 
 class ServeConfig(BaseModel):
@@ -61,7 +57,7 @@ class ServeConfig(BaseModel):
     def _decode_device_follows(self) -> "ServeConfig":
         """`device` is the one switch; a decode.device set apart from it must agree with it."""
         if "device" in self.decode.model_fields_set:
-            if torch_device_type(self.decode.device) != self.device:
+            if parse_device(self.decode.device).type != self.device:
                 raise ValueError(f"decode.device ({self.decode.device!r}) disagrees with device ({self.device!r}); "
                                  "set device only")
         elif self.decode.device != self.device:

@@ -100,7 +100,7 @@ def select_blocks_batched(selections: list[Selection], scale: float) -> list[np.
         logits[i, :, :, : lengths[i]] = torch.bmm(weights[i], flat.transpose(1, 2))
     shares = softmax_shares(logits)  # [R, kv_heads, longest run]; padding gets 0
     padding = torch.arange(shares.shape[-1], device=device) >= torch.tensor(lengths, device=device)[:, None]
-    shares = shares.to(device).masked_fill(padding[:, None, :], -1.0)  # below any real share, even one that underflowed to 0
+    shares = shares.masked_fill(padding[:, None, :], -1.0)  # below any real share, even one that underflowed to 0
     ks = [min(s.k, n) for s, n in zip(chosen, lengths)]
     best = torch.topk(shares, max(ks), dim=-1).indices.cpu().numpy()
     for row, (i, s, k) in enumerate(zip(live, chosen, ks)):
