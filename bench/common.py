@@ -63,6 +63,30 @@ def real_text_token_ids(llm, num_tokens: int, offset: int = 0) -> list[int]:
     return ids[:num_tokens]
 
 
+# Decode-config variants a benchmark mode label may carry: 'lookahead+topup4+rate0.01+depth0.5'.
+MODE_VARIANTS = {"topup": ("lookahead_topup_blocks", int), "rate": ("max_replace_fraction", float),
+                 "depth": ("prefetch_rank_fraction", float)}
+
+
+def parse_mode(label: str, modes: tuple[str, ...]) -> tuple[str, dict]:
+    """'lookahead+topup4+rate0.01' -> ('lookahead', {lookahead_topup_blocks: 4, max_replace_fraction: 0.01}):
+    variants of a mode run side by side with it, in the same run."""
+    mode, *variants = label.split("+")
+    if mode not in modes:
+        raise ValueError(f"unknown mode {mode!r} in {label!r}: one of {', '.join(modes)}")
+    overrides = {}
+    for variant in variants:
+        name = next((n for n in MODE_VARIANTS if variant.startswith(n)), None)
+        if name is None:
+            raise ValueError(f"unknown variant {variant!r} in {label!r}: {', '.join(n + 'N' for n in MODE_VARIANTS)}")
+        field, kind = MODE_VARIANTS[name]
+        try:
+            overrides[field] = kind(variant[len(name):])
+        except ValueError:
+            raise ValueError(f"variant {variant!r} in {label!r}: {name} takes a number") from None
+    return mode, overrides
+
+
 def grouped_bar_positions(num_series: int, num_groups: int) -> tuple[float, list[list[float]]]:
     """Bar width, and for each series the x of its bar in every group (groups at 0, 1, ...)."""
     width = 0.8 / num_series

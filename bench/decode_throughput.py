@@ -9,9 +9,9 @@ Setup (not timed as decode):
   reached with `connect(address, transport="nixl")`.
 - Prompts are Python standard-library source. Prefill on this CPU takes minutes for 16K
   tokens, so ONE dense forward runs over the longest context and serves every request: request
-  i of context L is the prompt ids[:L - 64 i] (a different prompt and a different next token
-  for each request). Attention is causal, so the KV of positions < L - 64 i from that pass is
-  exactly that prompt's prefill KV; its first token is the greedy token of row L - 64 i - 1,
+  i of context L is the prompt ids[:L - s i] (s = --prompt-step, 64: a different prompt and a
+  different next token for each request). Attention is causal, so the KV of positions < L - s i
+  from that pass is exactly that prompt's prefill KV; its first token is the greedy token of row L - s i - 1,
   and its first working set is that row's queries against the key summaries (what `Prefiller`
   computes). For every mode run the prompts are written to the store under fresh request ids
   (the decode engine frees a request's store memory when it finishes).
@@ -65,7 +65,13 @@ from oasiskv.kvstore import connect, ranking_radius_weight  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import PrefillResult, kv_layout_for  # noqa: E402
 
-from bench.common import grouped_bar_positions, label_context_axes, real_text_token_ids, write_results  # noqa: E402
+from bench.common import (  # noqa: E402
+    grouped_bar_positions,
+    label_context_axes,
+    parse_mode,
+    real_text_token_ids,
+    write_results,
+)
 from bench.lookahead_accuracy import BLOCK, DenseContext, load_llm  # noqa: E402
 
 MODES = ("dense", "sparse-current", "lookahead")
@@ -73,7 +79,6 @@ GOAL_SPEEDUP = 2.0
 GOAL_LESS_KV = 6.0
 # DecodeConfig fields a run may override from the command line.
 OVERRIDES = ("max_replace_fraction", "lookahead_topup_blocks")
-REQUEST_STEP = 64  # tokens between the prompt lengths of a context's requests
 
 
 # -- the store process ---------------------------------------------------------------------------
@@ -281,27 +286,8 @@ def breakdown(t: dict) -> dict:
 
 
 # -- one mode run ---------------------------------------------------------------------------------
-VARIANTS = {"topup": "lookahead_topup_blocks", "rate": "max_replace_fraction"}
-
-
-def parse_mode(label: str) -> tuple[str, dict]:
-    """'lookahead+topup4+rate0.01' -> ('lookahead', {lookahead_topup_blocks: 4, max_replace_fraction: 0.01}):
-    variants of a mode run side by side with it, in the same run."""
-    mode, *variants = label.split("+")
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r} in {label!r}: one of {', '.join(MODES)}")
-    overrides = {}
-    for variant in variants:
-        name = next((n for n in VARIANTS if variant.startswith(n)), None)
-        if name is None:
-            raise ValueError(f"unknown variant {variant!r} in {label!r}: topupN or rateF")
-        field = VARIANTS[name]
-        overrides[field] = (int if field == "lookahead_topup_blocks" else float)(variant[len(name):])
-    return mode, overrides
-
-
 def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], args, pool_gb: float, tag: str) -> dict:
-    mode, variant = parse_mode(label)
+    mode, variant = parse_mode(label, MODES)
     config = DecodeConfig(mode=mode, kv_pool_gb=pool_gb, budget_tokens=args.budget_tokens,
                           num_draft_tokens=args.num_draft_tokens, sink_blocks=args.sink_blocks,
                           window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)),
@@ -364,6 +350,8 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--contexts", default=None, help="comma-separated (default 8192,16384; quick 2048,4096)")
     parser.add_argument("--requests", type=int, default=8, help="concurrent requests per context")
+    parser.add_argument("--prompt-step", type=int, default=64,
+                        help="tokens between the prompt lengths of a context's requests (a multiple of 16)")
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 128, quick 32)")
     parser.add_argument("--budget-tokens", type=int, default=None, help="default 2048 (quick 512)")
     parser.add_argument("--num-draft-tokens", type=int, default=3)
@@ -371,7 +359,8 @@ def main(argv=None) -> int:
     parser.add_argument("--window-blocks", type=int, default=4)
     parser.add_argument("--dense-fit", type=int, default=4, help="requests the pool holds in dense mode")
     parser.add_argument("--modes", default=",".join(MODES),
-                        help="comma-separated; a mode may carry variants run beside it: lookahead+topup4, lookahead+rate0.01")
+                        help="comma-separated; a mode may carry variants run beside it: lookahead+topup4, lookahead+rate0.01, "
+                        "lookahead+depth0.5 (bench.common.MODE_VARIANTS)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every mode; medians reported")
     parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
     parser.add_argument("--max-replace-fraction", type=float, default=None,
@@ -386,12 +375,12 @@ def main(argv=None) -> int:
     args.new_tokens = args.new_tokens or (32 if args.quick else 128)
     args.budget_tokens = args.budget_tokens or (512 if args.quick else 2048)
     contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else ([2048, 4096] if args.quick else [8192, 16384])
-    if any(c % BLOCK for c in contexts):
-        parser.error("contexts must be multiples of 16")
+    if any(c % BLOCK for c in contexts) or args.prompt_step <= 0 or args.prompt_step % BLOCK:
+        parser.error("contexts and --prompt-step must be positive multiples of 16")
     modes = args.modes.split(",")
     for label in modes:
         try:
-            parse_mode(label)
+            parse_mode(label, MODES)
         except ValueError as error:
             parser.error(str(error))
     k = args.num_draft_tokens
@@ -401,7 +390,7 @@ def main(argv=None) -> int:
     model = llm.model
     if max(contexts) + args.new_tokens + k + 1 > llm.max_model_len:
         parser.error(f"context + new tokens exceed {args.model}'s {llm.max_model_len} tokens")
-    lengths = {c: [c - REQUEST_STEP * i for i in range(args.requests)] for c in contexts}
+    lengths = {c: [c - args.prompt_step * i for i in range(args.requests)] for c in contexts}
     if min(min(v) for v in lengths.values()) < 4 * BLOCK * (args.window_blocks + 2):
         parser.error("contexts too short for that many requests")
     ids = real_text_token_ids(llm, max(contexts), offset=args.offset)
@@ -417,7 +406,8 @@ def main(argv=None) -> int:
     results = {
         "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "machine": platform.processor() or platform.machine(),
-        "requests": args.requests, "new_tokens": args.new_tokens, "budget_tokens": args.budget_tokens,
+        "requests": args.requests, "prompt_step": args.prompt_step, "new_tokens": args.new_tokens,
+        "budget_tokens": args.budget_tokens,
         "num_draft_tokens": k, "dense_fit": args.dense_fit, "repeats": args.repeats, "transport": "nixl",
         "store": store.ready_line, "store_capacity_gb": store_gb, "prefill_one_pass_s": prefill_s,
         "goal": {"speedup": GOAL_SPEEDUP, "less_kv": GOAL_LESS_KV}, "contexts": [],

@@ -11,7 +11,6 @@ engine / transformers (higher is better for OasisKV).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys

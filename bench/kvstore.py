@@ -205,7 +205,7 @@ def main() -> int:
         "nixl_64k_batched_vs_memcpy": goal["read_batched_vs_memcpy"] if goal else None,
         "goal_met": bool(goal and goal["read_batched_vs_memcpy"] >= 0.5),
     }
-    print(f"\nheadline: 1,000 scattered 64 KiB units, NIXL: "
+    print("\nheadline: 1,000 scattered 64 KiB units, NIXL: "
           + (f"{goal['read_batched_gbps']:.2f} GB/s = {goal['read_batched_vs_memcpy']:.0%} of memcpy "
              f"-> goal {'met' if summary['goal_met'] else 'NOT met'}" if goal else "n/a"))
     write_results(args.out, "kvstore", {

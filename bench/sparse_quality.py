@@ -96,7 +96,7 @@ from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import Prefiller  # noqa: E402
 
-from bench.common import real_text_token_ids, write_results  # noqa: E402
+from bench.common import parse_mode, real_text_token_ids, write_results  # noqa: E402
 from bench.lookahead_accuracy import LINEAR_RADIUS_WEIGHT, load_llm, sketch_keys  # noqa: E402
 
 GOAL_AGREEMENT = 0.99
@@ -298,6 +298,7 @@ def run_engine(llm, client, stored: StoredPrompt, config: DecodeConfig, params: 
 
 # DecodeConfig fields a run may override from the command line.
 OVERRIDES = ("max_replace_fraction", "radius_weight", "lookahead_topup_blocks")
+SPARSE_MODES = ("sparse-current", "lookahead")
 
 
 def main(argv=None) -> int:
@@ -307,7 +308,9 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=None, help="prompt tokens (default 8192, quick 2048)")
     parser.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 256, quick 64)")
     parser.add_argument("--budgets", default="512,1024,2048,4096")
-    parser.add_argument("--modes", default="sparse-current,lookahead")
+    parser.add_argument("--modes", default="sparse-current,lookahead",
+                        help="comma-separated; a mode may carry variants run beside it: lookahead+topup4, lookahead+rate0.01, "
+                        "lookahead+depth0.5 (bench.common.MODE_VARIANTS)")
     parser.add_argument("--num-draft-tokens", type=int, default=3)
     parser.add_argument("--sink-blocks", type=int, default=1)
     parser.add_argument("--window-blocks", type=int, default=4)
@@ -339,6 +342,11 @@ def main(argv=None) -> int:
     args.new_tokens = args.new_tokens or (64 if args.quick else 256)
     budgets = [int(b) for b in args.budgets.split(",")]
     modes = args.modes.split(",")
+    for label in modes:
+        try:
+            parse_mode(label, SPARSE_MODES)
+        except ValueError as error:
+            parser.error(str(error))
     k = args.num_draft_tokens
 
     offsets = [int(x) for x in args.offsets.split(",")]
@@ -384,15 +392,16 @@ def run_text(llm, args, offset: int, kinds: list[str], modes: list[str], budgets
     greedy = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     rows = []
     with tqdm(total=len(runs) * passes, desc=f"runs, text at offset {offset}") as bar:
-        for mode, budget, kind in runs:
+        for label, budget, kind in runs:
             stored = stored_by_kind[kind]
+            mode, variant = parse_mode(label, ("dense", *SPARSE_MODES))
             config = DecodeConfig(mode=mode, budget_tokens=budget or 2048, num_draft_tokens=k, kv_pool_gb=1.0,
                                   sink_blocks=args.sink_blocks, window_blocks=args.window_blocks,
                                   **{name: getattr(args, name) for name in OVERRIDES
-                                     if getattr(args, name) is not None})
+                                     if getattr(args, name) is not None}, **variant)
             config = config.model_copy(update={"kv_pool_gb": pool_gb(layout, config, args.context, args.new_tokens)})
-            tag = f"{mode}-{budget}-{kind}"
-            row = {"mode": mode, "budget_tokens": budget, "summary_kind": kind}
+            tag = f"{label}-{budget}-{kind}"
+            row = {"mode": label, "budget_tokens": budget, "summary_kind": kind}
             bar.set_postfix_str(f"{tag} teacher-forced")
             forcing = TeacherForcing(full)
             with forcing.patched():

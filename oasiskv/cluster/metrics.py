@@ -20,7 +20,9 @@ DECODE_COUNTERS = {
                               "key-summary bytes read at admission by the sparse modes"),
     "prefetch_hits": ("oasiskv_prefetch_hits", "layers whose prefetch had landed when needed"),
     "prefetch_misses": ("oasiskv_prefetch_misses", "layers whose prefetch had not landed when needed"),
-    "prefetch_waits": ("oasiskv_prefetch_waits", "waits for a fetch to land"),
+    "prefetch_waits": ("oasiskv_prefetch_waits", "waits for a look-ahead prefetch that had not landed"),
+    "on_demand_waits": ("oasiskv_decode_on_demand_waits",
+                        "waits for on-demand fetches before attending (sparse-current; lookahead's top-up)"),
     "drafts_proposed": ("oasiskv_drafts_proposed", "draft tokens proposed"),
     "drafts_accepted": ("oasiskv_drafts_accepted", "draft tokens accepted"),
 }

@@ -34,13 +34,19 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default="ngram", help="'ngram' or a draft model name")
     parser.add_argument("--max-replace-fraction", type=float, default=None,
                         help="budget share each layer and KV head may replace per decode step, on average "
-                             "(default 0.05; measured at 8K on Qwen 0.5B, 0.01 fetched 5x fewer bytes while decoding "
-                             "and lost no quality: bench/sparse_quality.py)")
+                             "(default 0.05; measured at 8K on Qwen 0.5B over four texts, 0.01 fetched 5x fewer bytes while "
+                             "decoding but perplexity rose from +1.0%% to +2.1%% of dense; --prefetch-rank-fraction saves "
+                             "as much without that loss: bench/sparse_quality.py)")
     parser.add_argument("--lookahead-topup-blocks", type=int, default=None,
                         help="lookahead: before attending, also fetch (and wait for) up to this many of the current "
                              "query's top blocks per layer and KV head that the prediction missed (default 0; measured "
                              "at 8K on Qwen 0.5B, 4 brought perplexity from +0.97%% to +0.11%% of dense for 1.6x the "
                              "bytes: bench/sparse_quality.py)")
+    parser.add_argument("--prefetch-rank-fraction", type=float, default=None,
+                        help="lookahead: prefetch a missing block only when the prediction ranks it within this share "
+                             "of the top-K; lower-ranked blocks stay if resident but are not fetched (default 0.25; "
+                             "measured at 8K on Qwen 0.5B, 0.25 fetched 4x fewer bytes while decoding than 1, at the "
+                             "same agreement and perplexity: bench/sparse_quality.py)")
     parser.add_argument("--summary-kind", choices=["moments", "minmax"], default=None,
                         help="how blocks' keys are summarized for the sparse modes' ranking: 'moments' (mean +- std) or "
                              "'minmax' (Quest's box); same bytes (default: moments)")
@@ -63,6 +69,8 @@ def config_from_args(args: argparse.Namespace):
         decode["max_replace_fraction"] = args.max_replace_fraction
     if args.lookahead_topup_blocks is not None:
         decode["lookahead_topup_blocks"] = args.lookahead_topup_blocks
+    if args.prefetch_rank_fraction is not None:
+        decode["prefetch_rank_fraction"] = args.prefetch_rank_fraction
     fields = dict(model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
                   address=args.address, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                   stores=args.stores, store_capacity_gb=args.store_capacity_gb, store_port=args.store_port,

@@ -7,7 +7,8 @@ pass (1 + k rows per request) it:
   3. writes the new rows' K/V into the request's window ring;
   4. attends over the resident rows (sinks, window, selected) with the shared attention core;
   5. [lookahead] scores blocks with the draft rows' queries and starts fetching the next step's
-     top-K for this layer at once, so the transfer overlaps the rest of the pass.
+     top-K for this layer at once (its highly ranked missing blocks), so the transfer overlaps
+     the rest of the pass.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def gathered_attention(queries: torch.Tensor, units_kv: torch.Tensor, unit_ids: 
 class SparseAttention:
     def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace_fraction: float, miss_policy: str,
                  counters: DecodeCounters, fetch_timeout_s: float, recall_sample_steps: int = 1,
-                 use_triton: bool = False, topup_blocks: int = 0):
+                 use_triton: bool = False, topup_blocks: int = 0, prefetch_rank_fraction: float = 0.25):
         self.pool = pool
         self.client = client
         self.sliding_window = sliding_window
@@ -75,6 +76,7 @@ class SparseAttention:
         self.recall_sample_steps = recall_sample_steps
         self.use_triton = use_triton
         self.topup_blocks = topup_blocks
+        self.prefetch_rank_fraction = prefetch_rank_fraction
         self.requests: list[StepRequest] = []
         self.batch: AttentionBatch | None = None
         self.step_index = 0
@@ -209,8 +211,10 @@ class SparseAttention:
 
     def _select_and_fetch(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]], wait: bool,
                           cap: int | None = None) -> None:
-        """wait=False: the look-ahead prefetch, capped by the replacement rate. wait=True: an
-        on-demand fetch of the query's missing top-K, at most `cap` blocks per head (None: all)."""
+        """wait=False: the look-ahead prefetch, capped by the replacement rate, of missing blocks
+        ranked in the top `prefetch_rank_fraction` of the prediction (the rest of its top-K is
+        kept if resident). wait=True: an on-demand fetch of the query's missing top-K, at most
+        `cap` blocks per head (None: all)."""
         caps = []
         for req, _ in work:
             budget = min(req.budget_blocks, req.ws.plan.budget)
@@ -220,7 +224,8 @@ class SparseAttention:
         fetches = []
         wanted_sets = self._top_blocks(layer, [item for item, _ in work])
         for ((req, _), c), wanted in zip(work, wanted_sets):
-            plan = plan_replacements(req.ws, layer, wanted, self.step_index, c)
+            depth = None if wait else max(1, int(wanted.shape[1] * self.prefetch_rank_fraction))
+            plan = plan_replacements(req.ws, layer, wanted, self.step_index, c, depth)
             if len(plan):
                 fetches.append((req.ws, plan))
         if not fetches:
@@ -265,7 +270,10 @@ class SparseAttention:
             started = time.perf_counter()
             handle.wait(self.fetch_timeout_s)
             self.counters.fetch_wait_s += time.perf_counter() - started
-            self.counters.prefetch_waits += 1
+            if on_demand:
+                self.counters.on_demand_waits += 1
+            else:
+                self.counters.prefetch_waits += 1
         ws.pending[layer] = None
         ws.in_flight[layer] = False
 

@@ -23,6 +23,12 @@ class DecodeConfig(BaseModel):
         0.05, gt=0, le=1,
         description="budget share each layer and KV head may replace per step, on average (fractions of a block carry over)",
     )
+    prefetch_rank_fraction: float = Field(
+        0.25, gt=0, le=1,
+        description="lookahead only: a missing block is prefetched only when the prediction ranks it within this share "
+        "of the top-K; blocks ranked lower stay if resident but are not fetched (1: anywhere in the top-K). Pooled over "
+        "four 8K texts on Qwen 0.5B at 2,048, 0.25 fetched 4x fewer bytes while decoding than 1, at the same quality",
+    )
     lookahead_topup_blocks: int = Field(
         0, ge=0, description="lookahead only: before attending, fetch on demand (and wait for) up to this many blocks "
         "per layer and KV head among the current query's top-K that the prediction missed; 0: pure look-ahead",

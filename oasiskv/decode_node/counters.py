@@ -17,7 +17,8 @@ class DecodeCounters:
     blocks_written_back: int = 0
     prefetch_hits: int = 0
     prefetch_misses: int = 0
-    prefetch_waits: int = 0
+    prefetch_waits: int = 0  # look-ahead prefetches not landed when their layer ran (miss policy "wait")
+    on_demand_waits: int = 0  # fetches issued and waited for in the same layer (sparse-current, top-up)
     prefetch_skips: int = 0
     fetch_wait_s: float = 0.0
     drafts_proposed: int = 0

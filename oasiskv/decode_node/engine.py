@@ -87,6 +87,7 @@ class DecodeEngine:
             self.pool, self.client, mc.sliding_window, mc.softmax_scale, self.config.max_replace_fraction,
             self.config.miss_policy, self.counters, self.config.fetch_timeout_s,
             self.config.recall_sample_steps, self.config.uses_triton_attention, self.config.lookahead_topup_blocks,
+            self.config.prefetch_rank_fraction,
         )
         self.drafter = drafter if drafter is not None else NgramDrafter()
         self.eos_token_ids = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))

@@ -137,15 +137,16 @@ def replacement_cap(ws: WorkingSet, layer: int, blocks_per_step: float) -> int:
 
 
 def plan_replacements(
-    ws: WorkingSet, layer: int, wanted: torch.Tensor, step: int, max_replace: int | None
+    ws: WorkingSet, layer: int, wanted: torch.Tensor, step: int, max_replace: int | None,
+    fetch_depth: int | None = None,
 ) -> FetchPlan:
     """Make the budget rows of `layer` converge to `wanted` ([kv_heads, k], best first).
 
     Resident wanted blocks are marked selected at `step`; missing ones (best first, at most
-    `max_replace` >= 0 per head) take the rows of empty or least-recently-selected unwanted
-    blocks (empty rows first, then by last selection, ties by row), never a wanted block's row.
-    The plan lists head by head, best first within a head. All heads at once: no Python loop
-    over heads.
+    `max_replace` >= 0 per head, and only among the first `fetch_depth` of `wanted` when given)
+    take the rows of empty or least-recently-selected unwanted blocks (empty rows first, then by
+    last selection, ties by row), never a wanted block's row. The plan lists head by head, best
+    first within a head. All heads at once: no Python loop over heads.
     """
     heads = wanted.shape[0]
     budget = ws.budget_slice
@@ -164,6 +165,8 @@ def plan_replacements(
     hit = _membership(resident_ids, wanted_ids, span) & (resident != EMPTY)
     selected[hit] = step
     missing = ~_membership(wanted_ids, resident_ids, span)  # [H, k], best first
+    if fetch_depth is not None:
+        missing[:, fetch_depth:] = False  # kept when resident, not worth a transfer when not
     rank = missing.cumsum(axis=-1) - 1  # position among the head's missing blocks
     free_rows = width - hit.sum(axis=-1, keepdims=True)  # [H, 1]: rows not holding a wanted block
     limit = free_rows if max_replace is None else np.minimum(free_rows, max_replace)

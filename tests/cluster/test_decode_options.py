@@ -49,6 +49,14 @@ def test_lookahead_topup_reaches_the_decode_config():
         _config("--lookahead-topup-blocks", "-1")
 
 
+def test_prefetch_rank_fraction_reaches_the_decode_config():
+    assert _config().decode.prefetch_rank_fraction == 0.25
+    assert _config("--prefetch-rank-fraction", "1").decode.prefetch_rank_fraction == 1.0
+    for value in ("0", "1.5"):
+        with pytest.raises(ValidationError, match="prefetch_rank_fraction"):
+            _config("--prefetch-rank-fraction", value)
+
+
 def test_summary_kind_reaches_the_cluster_config():
     assert _config().summary_kind == DEFAULT_SUMMARY_KIND == "moments"
     assert _config("--summary-kind", "minmax").summary_kind == "minmax"

@@ -102,6 +102,27 @@ def test_lookahead_topped_up_to_the_whole_budget_attends_as_sparse_current(smoll
     assert topped.pool.allocator.num_free == topped.pool.num_rows
 
 
+def test_sparse_current_counts_its_fetches_as_on_demand_not_as_prefetches(smollm2_llm, store, prompts):
+    engine, _ = _run(smollm2_llm, store, prompts, DecodeConfig(mode="sparse-current", budget_tokens=160, kv_pool_gb=0.25),
+                     tag="-ondemand")
+    c = engine.counters
+    assert c.blocks_fetched > 0
+    assert c.prefetch_hits == c.prefetch_misses == c.prefetch_waits == 0  # it never prefetches
+    assert c.on_demand_waits <= c.steps * engine.layout.num_layers  # at most one wait per layer and step
+    assert "on_demand_waits" in c.snapshot()
+
+
+def test_a_shallow_prefetch_depth_fetches_fewer_blocks(smollm2_llm, store, prompts):
+    """prefetch_rank_fraction: only blocks the prediction ranks near the top are worth a transfer;
+    the rest of the top-K is kept when resident. Same prompts, same budget: fewer blocks move."""
+    small = dict(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
+    full, _ = _run(smollm2_llm, store, prompts, DecodeConfig(prefetch_rank_fraction=1.0, **small), tag="-depth1")
+    shallow, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(prefetch_rank_fraction=0.2, **small), tag="-depth")
+    assert all(len(t) == GREEDY.max_tokens for t in tokens)
+    assert 0 < shallow.counters.blocks_fetched < full.counters.blocks_fetched
+    assert shallow.pool.allocator.num_free == shallow.pool.num_rows
+
+
 @pytest.mark.parametrize("kind", ["minmax", "moments"])
 def test_write_back_summarizes_as_the_prompt_was(smollm2_llm, store, prompts, kind):
     """The node summarizes the blocks it writes back itself (no read from the store) with the
@@ -177,3 +198,5 @@ def test_config_validates_early():
         DecodeConfig(num_draft_tokens=16)
     with pytest.raises(ValueError, match="summary_read_dtype"):
         DecodeConfig(summary_read_dtype="float16")
+    with pytest.raises(ValueError, match="prefetch_rank_fraction"):
+        DecodeConfig(prefetch_rank_fraction=0)

@@ -12,7 +12,7 @@ from oasiskv.decode_node.working_set import EMPTY, RowPlan, WorkingSet
 
 
 def reference_plan_replacements(ws: WorkingSet, layer: int, wanted: torch.Tensor, step: int,
-                                max_replace: int | None) -> FetchPlan:
+                                max_replace: int | None, fetch_depth: int | None = None) -> FetchPlan:
     """The original implementation, one head at a time (the reference for the vectorized one)."""
     plan = FetchPlan([], [], [])
     budget = ws.budget_slice
@@ -22,7 +22,8 @@ def reference_plan_replacements(ws: WorkingSet, layer: int, wanted: torch.Tensor
         want = wanted[head]
         hit = torch.isin(resident, want) & (resident != EMPTY)
         ws.last_selected[layer, head, budget][hit] = step
-        missing = want[~torch.isin(want, resident)]
+        fetchable = want[:fetch_depth]
+        missing = fetchable[~torch.isin(fetchable, resident)]
         # A missing block never evicts a wanted one (only reachable with more wanted than rows).
         limit = int((~hit).sum())
         missing = missing[: limit if max_replace is None else min(max_replace, limit)]
@@ -72,11 +73,12 @@ def _random_wanted(g: torch.Generator, heads: int, k: int, num_blocks: int) -> t
     num_blocks=st.integers(1, 60),
     k_extra=st.integers(-24, 3),
     max_replace=st.one_of(st.none(), st.integers(0, 30)),
+    fetch_depth=st.one_of(st.none(), st.integers(1, 24)),
     duplicates=st.booleans(),
     steps=st.integers(1, 4),
 )
 def test_vectorized_plan_matches_the_per_head_loop(seed, heads, budget, num_blocks, k_extra, max_replace,
-                                                    duplicates, steps):
+                                                    fetch_depth, duplicates, steps):
     g = torch.Generator().manual_seed(seed)
     layers = 2
     fast = _random_ws(g, layers, heads, budget, num_blocks, duplicates)
@@ -86,8 +88,8 @@ def test_vectorized_plan_matches_the_per_head_loop(seed, heads, budget, num_bloc
         layer = step % layers
         k = max(0, budget + k_extra)  # usually k <= budget (as top_blocks gives), sometimes more
         wanted = _random_wanted(g, heads, k, num_blocks)
-        got = plan_replacements(fast, layer, wanted, step, max_replace)
-        expected = reference_plan_replacements(slow, layer, wanted, step, max_replace)
+        got = plan_replacements(fast, layer, wanted, step, max_replace, fetch_depth)
+        expected = reference_plan_replacements(slow, layer, wanted, step, max_replace, fetch_depth)
         assert (got.heads, got.blocks, got.row_indices) == (expected.heads, expected.blocks, expected.row_indices)
         assert torch.equal(fast.blocks, slow.blocks)
         assert torch.equal(fast.last_selected, slow.last_selected)
@@ -111,6 +113,22 @@ def test_plan_prefers_empty_then_least_recently_selected_rows():
     fetch = plan_replacements(ws, 0, torch.tensor([[60, 61], [70, 71]]), 8, max_replace=1)
     assert fetch.blocks == [60, 70]
 
+
+def test_fetch_depth_keeps_low_ranked_resident_blocks_but_fetches_only_high_ranked_ones():
+    plan = RowPlan(sinks=0, ring=1, budget=4)
+    ws = WorkingSet("r", torch.arange(plan.total), plan, 1, 1, 16)
+    ws.blocks[0, 0, 1:] = torch.tensor([10, 11, 12, 13])
+    ws.last_selected[0, 0, 1:] = torch.tensor([1, 1, 1, 1])
+    # Ranked: 40 (missing), 12 (resident), 41 (missing), 13 (resident). Depth 2: only 40 is worth a
+    # transfer; 41 is not fetched, yet 13 (ranked below the depth) is kept over 10 and 11.
+    fetch = plan_replacements(ws, 0, torch.tensor([[40, 12, 41, 13]]), 5, max_replace=None, fetch_depth=2)
+    assert fetch.blocks == [40]
+    assert fetch.row_indices == [1]  # 10's row: unwanted, least recently selected, first by row
+    assert ws.blocks[0, 0, 1:].tolist() == [40, 11, 12, 13]
+    assert ws.last_selected[0, 0, 1:].tolist() == [5, 1, 5, 5]
+    # Nothing missing within the depth: no transfer at all, whatever the cap allows.
+    fetch = plan_replacements(ws, 0, torch.tensor([[12, 40, 42, 43]]), 6, max_replace=None, fetch_depth=2)
+    assert len(fetch) == 0
 
 
 def test_replacement_cap_is_a_rate_with_the_fraction_carried_over():

@@ -79,8 +79,6 @@ def test_worker_counts_follow_the_replicas(model):
 
 
 def test_worker_counts_move_together_when_scaled(tmp_path):
-    import os
-
     scaled = resolved(env={"OASISKV_DECODE_WORKERS": "3"})
     assert _head_flags(scaled)["--decode-workers"] == "3"
     assert scaled["services"]["decode"]["deploy"]["replicas"] == 3
