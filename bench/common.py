@@ -87,6 +87,14 @@ def parse_mode(label: str, modes: tuple[str, ...]) -> tuple[str, dict]:
     return mode, overrides
 
 
+def decode_overrides(args, fields: tuple[str, ...], variant: dict) -> dict:
+    """The DecodeConfig fields of `fields` given on the command line (not None), with a mode
+    label's variant on top: 'lookahead+rate0.01' beside --max-replace-fraction 0.02 runs that
+    variant at 0.01 (as two keyword sources the same field would be a TypeError)."""
+    given = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
+    return given | variant
+
+
 def grouped_bar_positions(num_series: int, num_groups: int) -> tuple[float, list[list[float]]]:
     """Bar width, and for each series the x of its bar in every group (groups at 0, 1, ...)."""
     width = 0.8 / num_series

@@ -66,6 +66,7 @@ from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import PrefillResult, kv_layout_for  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    decode_overrides,
     grouped_bar_positions,
     label_context_axes,
     parse_mode,
@@ -291,8 +292,7 @@ def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], ar
     config = DecodeConfig(mode=mode, kv_pool_gb=pool_gb, budget_tokens=args.budget_tokens,
                           num_draft_tokens=args.num_draft_tokens, sink_blocks=args.sink_blocks,
                           window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)),
-                          **{name: getattr(args, name) for name in OVERRIDES if getattr(args, name, None) is not None},
-                          **variant)
+                          **decode_overrides(args, OVERRIDES, variant))
     engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=NgramDrafter())
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     ids = [f"{tag}-{label}-{i}" for i in range(len(lengths))]

@@ -96,7 +96,7 @@ from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import Prefiller  # noqa: E402
 
-from bench.common import parse_mode, real_text_token_ids, write_results  # noqa: E402
+from bench.common import decode_overrides, parse_mode, real_text_token_ids, write_results  # noqa: E402
 from bench.lookahead_accuracy import LINEAR_RADIUS_WEIGHT, load_llm, sketch_keys  # noqa: E402
 
 GOAL_AGREEMENT = 0.99
@@ -397,8 +397,7 @@ def run_text(llm, args, offset: int, kinds: list[str], modes: list[str], budgets
             mode, variant = parse_mode(label, ("dense", *SPARSE_MODES))
             config = DecodeConfig(mode=mode, budget_tokens=budget or 2048, num_draft_tokens=k, kv_pool_gb=1.0,
                                   sink_blocks=args.sink_blocks, window_blocks=args.window_blocks,
-                                  **{name: getattr(args, name) for name in OVERRIDES
-                                     if getattr(args, name) is not None}, **variant)
+                                  **decode_overrides(args, OVERRIDES, variant))
             config = config.model_copy(update={"kv_pool_gb": pool_gb(layout, config, args.context, args.new_tokens)})
             tag = f"{label}-{budget}-{kind}"
             row = {"mode": label, "budget_tokens": budget, "summary_kind": kind}
