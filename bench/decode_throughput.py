@@ -443,7 +443,9 @@ def summarize_context(context: int, lengths: list[int], pool_gb: float, runs: di
     modes = {}
     for mode, reps in runs.items():
         best = sorted(reps, key=lambda r: r["tokens_per_s"])[len(reps) // 2]  # the median run
+        # Every run's time breakdown too, so an outlier run (a cold first run, a noisy neighbour) can be told apart.
         modes[mode] = {**best, "tokens_per_s_all": [r["tokens_per_s"] for r in reps],
+                       "breakdown_s_all": [r["breakdown_s"] for r in reps],
                        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps)}
     dense = modes.get("dense")
     if dense is not None:
