@@ -103,11 +103,14 @@ def grouped_bar_positions(num_series: int, num_groups: int) -> tuple[float, list
 
 
 def label_context_axes(axes, contexts: list[dict]) -> None:
-    """One group of bars per context length: tick labels, axis label, legend."""
+    """One group of bars per context length: tick labels, axis label, legend. Each legend entry
+    adds headroom above the tallest bar, so the legend sits over empty space, not over a bar."""
     for ax in axes:
         ax.set_xticks(range(len(contexts)), [str(c["context"]) for c in contexts])
         ax.set_xlabel("context tokens")
-        ax.legend(fontsize=7)
+        entries = len(ax.get_legend_handles_labels()[0])
+        ax.set_ylim(top=ax.get_ylim()[1] * (1 + 0.09 * entries))
+        ax.legend(fontsize=7, loc="upper left")
 
 
 def write_results(out_dir: Path, name: str, results: dict, plot=None) -> Path:
