@@ -19,7 +19,7 @@ from .kv_cache import PagedKVCache
 PAD_POSITION = 1 << 40
 # Up to this many query rows per sequence (decode, speculative verification) attention runs in
 # fp32 with explicit matmuls; longer (prefill) chunks use SDPA.
-_SMALL_QUERY_ROWS = 16
+FEW_QUERY_ROWS = 16
 
 
 def position_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -168,7 +168,7 @@ def attend_gathered(
 ) -> torch.Tensor:
     """queries [B, heads, Tq, d]; keys/values [B, kv_heads, L, d]; mask [B, 1|kv_heads, Tq, L]."""
     heads, kv_heads = queries.shape[1], keys.shape[1]
-    if queries.shape[2] <= _SMALL_QUERY_ROWS:
+    if queries.shape[2] <= FEW_QUERY_ROWS:
         return _attend_few_rows(queries, keys, values, mask, scale)
     if mask.shape[1] not in (1, heads):
         mask = mask.repeat_interleave(heads // kv_heads, dim=1)
