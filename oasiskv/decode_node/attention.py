@@ -14,7 +14,6 @@ pass (1 + k rows per request) it:
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from ..models.attention import (
     FEW_QUERY_ROWS,
     PAD_POSITION,
     AttentionBatch,
+    GatherBuffers,
     attend_gathered,
     batch_queries,
     position_mask,
@@ -47,29 +47,6 @@ class StepRequest:
     mode: str
     budget_blocks: int
     radius_weight: float  # rank_blocks' weight for the request's summary kind
-
-
-class GatherBuffers:
-    """Reused outputs for `gathered_attention`'s K and V gathers, grown to the largest step.
-
-    A fresh output every layer costs more than the gather on CPU: glibc serves allocations above
-    its mmap threshold (moving, at most 32 MiB; dense's K at 16K in fp32 is 34 MiB for 4
-    requests) with new mappings, page-faulted in 4 KiB at a time on every use. Measured here,
-    gathering 8,192 units' K and V in 24 layers: 472 ms into fresh tensors, 96 ms into reused
-    ones. The memory kept is what the largest step gathers, which that step needs anyway."""
-
-    def __init__(self):
-        self._flat: dict[str, torch.Tensor] = {}
-
-    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A tensor of `shape`; its contents are garbage, and the next `take` of the same name
-        overwrites them."""
-        numel = math.prod(shape)
-        flat = self._flat.get(name)
-        if flat is None or flat.numel() < numel or flat.dtype != dtype or flat.device != device:
-            flat = torch.empty(numel, dtype=dtype, device=device)
-            self._flat[name] = flat
-        return flat[:numel].view(shape)
 
 
 def gathered_attention(queries: torch.Tensor, units_kv: torch.Tensor, unit_ids: torch.Tensor,

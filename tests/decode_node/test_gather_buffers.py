@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oasiskv.decode_node.attention import GatherBuffers, gathered_attention
+from oasiskv.decode_node.attention import gathered_attention
+from oasiskv.models.attention import GatherBuffers
 
 from .test_triton_attention import Case, make_inputs
 
