@@ -21,10 +21,9 @@ import numpy as np
 import torch
 
 from ..models.attention import (
-    FEW_QUERY_ROWS,
     PAD_POSITION,
     AttentionBatch,
-    GatherBuffers,
+    AttentionBuffers,
     attend_gathered,
     batch_queries,
     position_mask,
@@ -51,29 +50,21 @@ class StepRequest:
 
 def gathered_attention(queries: torch.Tensor, units_kv: torch.Tensor, unit_ids: torch.Tensor,
                        key_positions: torch.Tensor, query_positions: torch.Tensor, window: int | None,
-                       scale: float, buffers: GatherBuffers | None = None) -> torch.Tensor:
-    """The torch path of `sparse_paged_attention` (same arguments, plus where to gather into):
+                       scale: float, buffers: AttentionBuffers | None = None) -> torch.Tensor:
+    """The torch path of `sparse_paged_attention` (same arguments, plus the buffers to reuse):
     gather the units' K and V, then attend with the shared core. One index_select each for K
     and V straight into [B, kv_heads, R * bs, d]: no [.., 2, bs, d] intermediate to split and
     copy again (several times faster on CPU)."""
     num_seqs, kv_heads, _ = unit_ids.shape
     flat = unit_ids.reshape(-1)
     shape = (flat.numel(), *units_kv.shape[2:])
-    # The few-rows core attends in fp32: widen bf16 K and V into reused buffers as well, not
-    # into the fresh copies its .float() would make.
-    widen = units_kv.dtype != torch.float32 and queries.shape[2] <= FEW_QUERY_ROWS
     gathered = []
     for index, name in ((0, "keys"), (1, "values")):
-        if buffers is None:
-            rows = torch.index_select(units_kv[:, index], 0, flat)
-        else:
-            rows = buffers.take(name, shape, units_kv.dtype, units_kv.device)
-            torch.index_select(units_kv[:, index], 0, flat, out=rows)
-            if widen:
-                rows = buffers.take(name + " fp32", shape, torch.float32, units_kv.device).copy_(rows)
+        out = None if buffers is None else buffers.take(name, shape, units_kv.dtype, units_kv.device)
+        rows = torch.index_select(units_kv[:, index], 0, flat, out=out)
         gathered.append(rows.view(num_seqs, kv_heads, -1, units_kv.shape[-1]))
     mask = position_mask(query_positions, key_positions, window)
-    return attend_gathered(queries, gathered[0], gathered[1], mask, scale)
+    return attend_gathered(queries, gathered[0], gathered[1], mask, scale, buffers)
 
 
 @contextlib.contextmanager
@@ -111,7 +102,7 @@ class SparseAttention:
         self.topup_blocks = topup_blocks
         self.prefetch_rank_fraction = prefetch_rank_fraction
         self.requests: list[StepRequest] = []
-        self.gather_buffers = GatherBuffers()
+        self.attention_buffers = AttentionBuffers()
         self.batch: AttentionBatch | None = None
         self.step_index = 0
 
@@ -217,7 +208,7 @@ class SparseAttention:
         if self.use_triton:
             out = sparse_paged_attention(*args)
         else:
-            out = gathered_attention(*args, buffers=self.gather_buffers)
+            out = gathered_attention(*args, buffers=self.attention_buffers)
         return unbatch_outputs(out.to(q.dtype), self.batch)
 
     def _key_positions(self, layer: int, width: int) -> torch.Tensor:

@@ -48,6 +48,7 @@ class AttentionBatch:
     key_positions: torch.Tensor  # same shape as key_slots; padding = PAD_POSITION
     output_rows: torch.Tensor  # [tokens] index into the padded [B * Tq] outputs
     _masks: dict = field(default_factory=dict, repr=False)
+    _head_major: dict = field(default_factory=dict, repr=False)
 
     @property
     def is_single_row(self) -> bool:
@@ -58,6 +59,17 @@ class AttentionBatch:
         if window not in self._masks:
             self._masks[window] = position_mask(self.query_positions, self.key_positions, window)
         return self._masks[window]
+
+    def head_major_index(self, slots_per_head: int, kv_heads: int) -> torch.Tensor:
+        """Flat [B * kv_heads * L] row of every key in a layer's cache viewed as
+        [kv_heads * slots_per_head, d], ordered (sequence, KV head, key): one gather of it is
+        [B, kv_heads, L, d]. Built once per batch; every layer reuses it."""
+        key = (slots_per_head, kv_heads)
+        if key not in self._head_major:
+            slots = self.key_slots if self.key_slots.dim() == 3 else self.key_slots[:, None, :]
+            heads = torch.arange(kv_heads, device=slots.device)[None, :, None]
+            self._head_major[key] = (heads * slots_per_head + slots).reshape(-1)
+        return self._head_major[key]
 
     @classmethod
     def from_key_lists(
@@ -125,28 +137,35 @@ class AttentionBatch:
         return cls.from_key_lists(query_positions, key_slots, key_positions, write_slots)
 
 
-class GatherBuffers:
-    """Reused outputs for attention's K and V gathers (the decode node's `gathered_attention`),
-    grown to the largest step.
+class AttentionBuffers:
+    """Reused tensors for attention's large per-layer temporaries (the K and V gathers, their
+    fp32 copies, the scores and the probabilities), grown to the largest step.
 
-    A fresh output every layer costs more than the gather on CPU: glibc serves allocations above
-    its mmap threshold (moving, at most 32 MiB; dense's K at 16K in fp32 is 34 MiB for 4
-    requests) with new mappings, page-faulted in 4 KiB at a time on every use. Measured here,
-    gathering 8,192 units' K and V in 24 layers: 472 ms into fresh tensors, 96 ms into reused
-    ones. The memory kept is what the largest step gathers, which that step needs anyway."""
+    A fresh tensor every layer costs more than the work that fills it on CPU: glibc serves
+    allocations above its mmap threshold (moving, at most 32 MiB; dense's K at 16K in fp32 is
+    34 MiB for 4 requests) with new mappings, page-faulted in 4 KiB at a time on every use.
+    Measured here, gathering 8,192 units' K and V in 24 layers: 472 ms into fresh tensors, 96 ms
+    into reused ones. The memory kept is what the largest step uses, which that step needs
+    anyway. One owner per attention backend: a buffer is overwritten by the next layer."""
 
     def __init__(self):
         self._flat: dict[str, torch.Tensor] = {}
 
     def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A tensor of `shape`; its contents are garbage, and the next `take` of the same name
-        overwrites them."""
+        """A contiguous tensor of `shape`; its contents are garbage, and the next `take` of the
+        same name overwrites them."""
         numel = math.prod(shape)
         flat = self._flat.get(name)
         if flat is None or flat.numel() < numel or flat.dtype != dtype or flat.device != device:
             flat = torch.empty(numel, dtype=dtype, device=device)
             self._flat[name] = flat
         return flat[:numel].view(shape)
+
+
+def _as_fp32(tensor: torch.Tensor, name: str, buffers: AttentionBuffers | None) -> torch.Tensor:
+    if buffers is None or tensor.dtype == torch.float32:
+        return tensor.float()
+    return buffers.take(name, tuple(tensor.shape), torch.float32, tensor.device).copy_(tensor)
 
 
 def attend_slots(
@@ -156,21 +175,24 @@ def attend_slots(
     batch: AttentionBatch,
     window: int | None,
     scale: float,
+    buffers: AttentionBuffers | None = None,
 ) -> torch.Tensor:
-    """q: [tokens, heads, d] -> [tokens, heads, d], attending to batch.key_slots of the cache."""
+    """q: [tokens, heads, d] -> [tokens, heads, d], attending to batch.key_slots of the cache.
+    With `buffers`, K and V are gathered (and the core's temporaries made) in reused tensors."""
     num_seqs = batch.query_rows.shape[0]
     head_dim = q.shape[2]
     kv_heads = k_cache.shape[0]
     queries = batch_queries(q, batch)
-    slots = batch.key_slots
-    if slots.dim() == 2:  # shared by all KV heads: one gather per tensor
-        flat = slots.reshape(-1)
-        keys = k_cache[:, flat].view(kv_heads, num_seqs, -1, head_dim).transpose(0, 1)
-        values = v_cache[:, flat].view(kv_heads, num_seqs, -1, head_dim).transpose(0, 1)
-    else:  # [B, kv_heads, L]: each KV head reads its own slots
-        head_index = torch.arange(kv_heads, device=slots.device)[None, :, None]
-        keys, values = k_cache[head_index, slots], v_cache[head_index, slots]
-    out = attend_gathered(queries, keys, values, batch.mask(window), scale).to(q.dtype)
+    # One index_select per tensor straight into [B, kv_heads, L, d], shared or per-head slots
+    # alike: contiguous, so the core's matmuls need no copy of it either.
+    index = batch.head_major_index(k_cache.shape[1], kv_heads)
+    shape = (num_seqs, kv_heads, index.numel() // (num_seqs * kv_heads), head_dim)
+    gathered = []
+    for cache, name in ((k_cache, "keys"), (v_cache, "values")):
+        out = None if buffers is None else buffers.take(name, (index.numel(), head_dim), cache.dtype, cache.device)
+        gathered.append(torch.index_select(cache.view(-1, head_dim), 0, index, out=out).view(shape))
+    keys, values = gathered
+    out = attend_gathered(queries, keys, values, batch.mask(window), scale, buffers).to(q.dtype)
     return unbatch_outputs(out, batch)
 
 
@@ -189,12 +211,14 @@ def unbatch_outputs(out: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
 
 
 def attend_gathered(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+    buffers: AttentionBuffers | None = None,
 ) -> torch.Tensor:
-    """queries [B, heads, Tq, d]; keys/values [B, kv_heads, L, d]; mask [B, 1|kv_heads, Tq, L]."""
+    """queries [B, heads, Tq, d]; keys/values [B, kv_heads, L, d]; mask [B, 1|kv_heads, Tq, L].
+    With `buffers`, the few-rows core makes its fp32 copies, scores and probabilities in them."""
     heads, kv_heads = queries.shape[1], keys.shape[1]
     if queries.shape[2] <= FEW_QUERY_ROWS:
-        return _attend_few_rows(queries, keys, values, mask, scale)
+        return _attend_few_rows(queries, keys, values, mask, scale, buffers)
     if mask.shape[1] not in (1, heads):
         mask = mask.repeat_interleave(heads // kv_heads, dim=1)
     return F.scaled_dot_product_attention(
@@ -202,7 +226,7 @@ def attend_gathered(
     )
 
 
-def _attend_few_rows(queries, keys, values, mask, scale):
+def _attend_few_rows(queries, keys, values, mask, scale, buffers=None):
     """Decode and verification (a few rows per sequence): explicit fp32 GQA attention.
 
     The query heads of a KV group are stacked as rows against their shared keys, so K and V are
@@ -210,13 +234,22 @@ def _attend_few_rows(queries, keys, values, mask, scale):
     softmax keeps bf16 runs closer to the reference.
     """
     num_seqs, heads, rows, head_dim = queries.shape
-    kv_heads = keys.shape[1]
+    kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     q = queries.float().reshape(num_seqs, kv_heads, group * rows, head_dim)
-    scores = torch.matmul(q, keys.float().transpose(-1, -2)) * scale
-    scores = scores.view(num_seqs, kv_heads, group, rows, -1).masked_fill(~mask[:, :, None], float("-inf"))
-    probs = torch.softmax(scores.view(num_seqs, kv_heads, group * rows, -1), dim=-1)
-    return torch.matmul(probs, values.float()).view(num_seqs, heads, rows, head_dim)
+    keys, values = _as_fp32(keys, "keys fp32", buffers), _as_fp32(values, "values fp32", buffers)
+    shape = (num_seqs, kv_heads, group * rows, length)
+    if buffers is None:
+        scores = torch.matmul(q, keys.transpose(-1, -2))
+    else:
+        scores = torch.matmul(q, keys.transpose(-1, -2), out=buffers.take("scores", shape, torch.float32, q.device))
+    scores.mul_(scale)
+    scores.view(num_seqs, kv_heads, group, rows, length).masked_fill_(~mask[:, :, None], float("-inf"))
+    if buffers is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        probs = torch.softmax(scores, dim=-1, out=buffers.take("probs", shape, torch.float32, q.device))
+    return torch.matmul(probs, values).view(num_seqs, heads, rows, head_dim)
 
 
 class PagedAttention:
@@ -227,10 +260,11 @@ class PagedAttention:
         self.sliding_window = sliding_window
         self.scale = scale
         self.batch: AttentionBatch | None = None
+        self.buffers = AttentionBuffers()
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         self.cache.write(layer, batch.write_slots, k, v)
         return attend_slots(
-            q, self.cache.k[layer], self.cache.v[layer], batch, self.sliding_window[layer], self.scale
+            q, self.cache.k[layer], self.cache.v[layer], batch, self.sliding_window[layer], self.scale, self.buffers
         )
