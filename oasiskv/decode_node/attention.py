@@ -27,6 +27,7 @@ from ..models.attention import (
     attend_gathered,
     batch_queries,
     position_mask,
+    reused_or_fresh,
     unbatch_outputs,
 )
 from .counters import DecodeCounters
@@ -60,7 +61,7 @@ def gathered_attention(queries: torch.Tensor, units_kv: torch.Tensor, unit_ids: 
     shape = (flat.numel(), *units_kv.shape[2:])
     gathered = []
     for index, name in ((0, "keys"), (1, "values")):
-        out = None if buffers is None else buffers.take(name, shape, units_kv.dtype, units_kv.device)
+        out = reused_or_fresh(buffers, name, shape, units_kv.dtype, units_kv.device)
         rows = torch.index_select(units_kv[:, index], 0, flat, out=out)
         gathered.append(rows.view(num_seqs, kv_heads, -1, units_kv.shape[-1]))
     mask = position_mask(query_positions, key_positions, window)

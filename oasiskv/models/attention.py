@@ -162,6 +162,12 @@ class AttentionBuffers:
         return flat[:numel].view(shape)
 
 
+def reused_or_fresh(buffers: AttentionBuffers | None, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor | None:
+    """The `out=` of an op: the named reused tensor, or None (a fresh one) without buffers."""
+    return None if buffers is None else buffers.take(name, shape, dtype, device)
+
+
 def _as_fp32(tensor: torch.Tensor, name: str, buffers: AttentionBuffers | None) -> torch.Tensor:
     if buffers is None or tensor.dtype == torch.float32:
         return tensor.float()
@@ -189,7 +195,7 @@ def attend_slots(
     shape = (num_seqs, kv_heads, index.numel() // (num_seqs * kv_heads), head_dim)
     gathered = []
     for cache, name in ((k_cache, "keys"), (v_cache, "values")):
-        out = None if buffers is None else buffers.take(name, (index.numel(), head_dim), cache.dtype, cache.device)
+        out = reused_or_fresh(buffers, name, (index.numel(), head_dim), cache.dtype, cache.device)
         gathered.append(torch.index_select(cache.view(-1, head_dim), 0, index, out=out).view(shape))
     keys, values = gathered
     out = attend_gathered(queries, keys, values, batch.mask(window), scale, buffers).to(q.dtype)
@@ -239,16 +245,11 @@ def _attend_few_rows(queries, keys, values, mask, scale, buffers=None):
     q = queries.float().reshape(num_seqs, kv_heads, group * rows, head_dim)
     keys, values = _as_fp32(keys, "keys fp32", buffers), _as_fp32(values, "values fp32", buffers)
     shape = (num_seqs, kv_heads, group * rows, length)
-    if buffers is None:
-        scores = torch.matmul(q, keys.transpose(-1, -2))
-    else:
-        scores = torch.matmul(q, keys.transpose(-1, -2), out=buffers.take("scores", shape, torch.float32, q.device))
+    scores_out = reused_or_fresh(buffers, "scores", shape, torch.float32, q.device)
+    scores = torch.matmul(q, keys.transpose(-1, -2), out=scores_out)
     scores.mul_(scale)
     scores.view(num_seqs, kv_heads, group, rows, length).masked_fill_(~mask[:, :, None], float("-inf"))
-    if buffers is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:
-        probs = torch.softmax(scores, dim=-1, out=buffers.take("probs", shape, torch.float32, q.device))
+    probs = torch.softmax(scores, dim=-1, out=reused_or_fresh(buffers, "probs", shape, torch.float32, q.device))
     return torch.matmul(probs, values).view(num_seqs, heads, rows, head_dim)
 
 
