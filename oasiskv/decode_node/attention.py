@@ -26,8 +26,8 @@ from ..models.attention import (
     AttentionBuffers,
     attend_gathered,
     batch_queries,
+    gather_rows,
     position_mask,
-    reused_or_fresh,
     unbatch_outputs,
 )
 from .counters import DecodeCounters
@@ -58,14 +58,11 @@ def gathered_attention(queries: torch.Tensor, units_kv: torch.Tensor, unit_ids: 
     copy again (several times faster on CPU)."""
     num_seqs, kv_heads, _ = unit_ids.shape
     flat = unit_ids.reshape(-1)
-    shape = (flat.numel(), *units_kv.shape[2:])
-    gathered = []
-    for index, name in ((0, "keys"), (1, "values")):
-        out = reused_or_fresh(buffers, name, shape, units_kv.dtype, units_kv.device)
-        rows = torch.index_select(units_kv[:, index], 0, flat, out=out)
-        gathered.append(rows.view(num_seqs, kv_heads, -1, units_kv.shape[-1]))
+    shape = (num_seqs, kv_heads, -1, units_kv.shape[-1])
+    keys, values = (gather_rows(units_kv[:, part], flat, buffers, name).view(shape)
+                    for part, name in ((0, "keys"), (1, "values")))
     mask = position_mask(query_positions, key_positions, window)
-    return attend_gathered(queries, gathered[0], gathered[1], mask, scale, buffers)
+    return attend_gathered(queries, keys, values, mask, scale, buffers)
 
 
 @contextlib.contextmanager

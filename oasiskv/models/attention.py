@@ -168,6 +168,12 @@ def reused_or_fresh(buffers: AttentionBuffers | None, name: str, shape: tuple[in
     return None if buffers is None else buffers.take(name, shape, dtype, device)
 
 
+def gather_rows(source: torch.Tensor, index: torch.Tensor, buffers: AttentionBuffers | None, name: str) -> torch.Tensor:
+    """index_select(source, 0, index), into the named reused tensor when there are buffers."""
+    out = reused_or_fresh(buffers, name, (index.numel(), *source.shape[1:]), source.dtype, source.device)
+    return torch.index_select(source, 0, index, out=out)
+
+
 def _as_fp32(tensor: torch.Tensor, name: str, buffers: AttentionBuffers | None) -> torch.Tensor:
     if buffers is None or tensor.dtype == torch.float32:
         return tensor.float()
@@ -193,11 +199,8 @@ def attend_slots(
     # alike: contiguous, so the core's matmuls need no copy of it either.
     index = batch.head_major_index(k_cache.shape[1], kv_heads)
     shape = (num_seqs, kv_heads, index.numel() // (num_seqs * kv_heads), head_dim)
-    gathered = []
-    for cache, name in ((k_cache, "keys"), (v_cache, "values")):
-        out = reused_or_fresh(buffers, name, (index.numel(), head_dim), cache.dtype, cache.device)
-        gathered.append(torch.index_select(cache.view(-1, head_dim), 0, index, out=out).view(shape))
-    keys, values = gathered
+    keys, values = (gather_rows(cache.view(-1, head_dim), index, buffers, name).view(shape)
+                    for cache, name in ((k_cache, "keys"), (v_cache, "values")))
     out = attend_gathered(queries, keys, values, batch.mask(window), scale, buffers).to(q.dtype)
     return unbatch_outputs(out, batch)
 
