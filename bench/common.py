@@ -65,7 +65,7 @@ def real_text_token_ids(llm, num_tokens: int, offset: int = 0) -> list[int]:
 
 # Decode-config variants a benchmark mode label may carry: 'lookahead+topup4+rate0.01+depth0.5'.
 MODE_VARIANTS = {"topup": ("lookahead_topup_blocks", int), "rate": ("max_replace_fraction", float),
-                 "depth": ("prefetch_rank_fraction", float)}
+                 "depth": ("prefetch_rank_fraction", float), "group": ("lookahead_layer_group", int)}
 
 
 def parse_mode(label: str, modes: tuple[str, ...]) -> tuple[str, dict]:

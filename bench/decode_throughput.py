@@ -79,7 +79,7 @@ MODES = ("dense", "sparse-current", "lookahead")
 GOAL_SPEEDUP = 2.0
 GOAL_LESS_KV = 6.0
 # DecodeConfig fields a run may override from the command line.
-OVERRIDES = ("max_replace_fraction", "lookahead_topup_blocks")
+OVERRIDES = ("max_replace_fraction", "lookahead_topup_blocks", "lookahead_layer_group")
 
 
 # -- the store process ---------------------------------------------------------------------------
@@ -360,13 +360,15 @@ def main(argv=None) -> int:
     parser.add_argument("--dense-fit", type=int, default=4, help="requests the pool holds in dense mode")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated; a mode may carry variants run beside it: lookahead+topup4, lookahead+rate0.01, "
-                        "lookahead+depth0.5 (bench.common.MODE_VARIANTS)")
+                        "lookahead+depth0.5, lookahead+group1 (bench.common.MODE_VARIANTS)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every mode; medians reported")
     parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
     parser.add_argument("--max-replace-fraction", type=float, default=None,
                         help="budget share one step may replace (default: DecodeConfig's)")
     parser.add_argument("--lookahead-topup-blocks", type=int, default=None,
                         help="lookahead's on-demand top-up per layer and KV head (default: DecodeConfig's, 0)")
+    parser.add_argument("--lookahead-layer-group", type=int, default=None,
+                        help="layers whose look-ahead selection runs together (default: DecodeConfig's)")
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))

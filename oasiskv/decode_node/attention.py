@@ -7,8 +7,10 @@ pass (1 + k rows per request) it:
   3. writes the new rows' K/V into the request's window ring;
   4. attends over the resident rows (sinks, window, selected) with the shared attention core;
   5. [lookahead] scores blocks with the draft rows' queries and starts fetching the next step's
-     top-K for this layer at once (its highly ranked missing blocks), so the transfer overlaps
-     the rest of the pass.
+     top-K (its highly ranked missing blocks), so the transfer overlaps the rest of the pass.
+     The scoring runs once per `layer_group` layers, for all of them together: on a CPU each
+     call's cost is mostly its code and data coming back into caches the model's weights
+     flushed, on a GPU a host sync for the bookkeeping; either is paid per call, not per layer.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ..models.attention import (
     unbatch_outputs,
 )
 from .counters import DecodeCounters
-from .lookahead import Selection, plan_replacements, recall, replacement_cap, select_blocks_batched
+from .lookahead import PlanRequest, Selection, plan_replacements_many, recall, replacement_cap, select_blocks_batched
 from .triton_attention import sparse_paged_attention
 from .working_set import EMPTY, DevicePool, WorkingSet
 
@@ -86,7 +88,8 @@ def one_cpu_thread():
 class SparseAttention:
     def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace_fraction: float, miss_policy: str,
                  counters: DecodeCounters, fetch_timeout_s: float, recall_sample_steps: int = 1,
-                 use_triton: bool = False, topup_blocks: int = 0, prefetch_rank_fraction: float = 0.25):
+                 use_triton: bool = False, topup_blocks: int = 0, prefetch_rank_fraction: float = 0.25,
+                 layer_group: int = 1):
         self.pool = pool
         self.client = client
         self.sliding_window = sliding_window
@@ -99,6 +102,14 @@ class SparseAttention:
         self.use_triton = use_triton
         self.topup_blocks = topup_blocks
         self.prefetch_rank_fraction = prefetch_rank_fraction
+        if layer_group < 1:
+            raise ValueError(f"layer_group must be >= 1, got {layer_group}")
+        self.layer_group = layer_group
+        # (layer, [(request, draft rows)]) whose look-ahead selection waits for the group's last layer.
+        self._deferred: list[tuple[int, list[tuple[StepRequest, torch.Tensor]]]] = []
+        # (layer, request, current query, its budget rows' blocks when it attended): the recall
+        # counter's samples, scored at the same point.
+        self._deferred_recall: list[tuple[int, StepRequest, torch.Tensor, torch.Tensor]] = []
         self.requests: list[StepRequest] = []
         self.attention_buffers = AttentionBuffers()
         self.batch: AttentionBatch | None = None
@@ -108,6 +119,7 @@ class SparseAttention:
     def prepare(self, requests: list[StepRequest], step_index: int) -> None:
         self.requests = requests
         self.step_index = step_index
+        self._deferred, self._deferred_recall = [], []  # a pass that raised midway leaves nothing for this one
         bs = self.pool.layout.block_size
         for req in requests:
             ws = req.ws
@@ -165,12 +177,15 @@ class SparseAttention:
         current = [q[start : start + 1] for start in row_starts]  # each request's current query
         sparse = [i for i, r in enumerate(self.requests) if r.mode != "dense" and r.ws.plan.budget]
         if (self.step_index - 1) % self.recall_sample_steps == 0:  # the first step is always sampled
-            self._track_recall(layer, [(self.requests[i], current[i]) for i in sparse])
+            for i in sparse:
+                ws = self.requests[i].ws
+                self._deferred_recall.append(
+                    (layer, self.requests[i], current[i].clone(), ws.blocks[layer, :, ws.budget_slice].clone()))
         on_demand = [i for i in sparse if self.requests[i].mode == "sparse-current"]
-        self._select_and_fetch(layer, [(self.requests[i], current[i]) for i in on_demand], wait=True)
+        self._select_and_fetch([(layer, [(self.requests[i], current[i]) for i in on_demand])], wait=True)
         if self.topup_blocks:
             topup = [i for i in sparse if self.requests[i].mode == "lookahead"]
-            self._select_and_fetch(layer, [(self.requests[i], current[i]) for i in topup], wait=True,
+            self._select_and_fetch([(layer, [(self.requests[i], current[i]) for i in topup])], wait=True,
                                    cap=self.topup_blocks)
         self._write_new_kv(layer, k, v)
         out = self._attend_resident(layer, q)
@@ -180,8 +195,15 @@ class SparseAttention:
             if req.mode == "lookahead":
                 start = row_starts[i]
                 drafts = q[start + 1 : start + 1 + req.num_drafts]
-                lookahead.append((req, drafts if req.num_drafts else current[i]))
-        self._select_and_fetch(layer, lookahead, wait=False)
+                # A copy: the rows are scored after later layers have run.
+                lookahead.append((req, (drafts if req.num_drafts else current[i]).clone()))
+        if lookahead:
+            self._deferred.append((layer, lookahead))
+        if (layer + 1) % self.layer_group == 0 or layer == self.pool.layout.num_layers - 1:
+            samples, self._deferred_recall = self._deferred_recall, []
+            self._track_recall(samples)
+            deferred, self._deferred = self._deferred, []
+            self._select_and_fetch(deferred, wait=False)
         return out
 
     def _row_starts(self) -> torch.Tensor:
@@ -225,60 +247,64 @@ class SparseAttention:
         window_start = req.ws.window_blocks(tail).start
         return req.ws.plan.sinks, min(window_start, req.summaries.shape[2])
 
-    def _top_blocks(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]]) -> list[np.ndarray]:
-        """Each request's top-K blocks of `layer` for its query rows ([kv_heads, k'] on the host),
-        ranked for all requests in one batch."""
+    def _top_blocks(self, work: list[tuple[int, StepRequest, torch.Tensor]]) -> list[np.ndarray]:
+        """Each (layer, request, query rows)'s top-K blocks of that layer ([kv_heads, k'] on the
+        host), ranked in one batch."""
         selections = []
-        for req, query in work:
+        for layer, req, query in work:
             first, end = self._candidate_range(req)
             budget = min(req.budget_blocks, req.ws.plan.budget)
             selections.append(Selection(query, req.summaries[layer], first, end, budget, req.radius_weight))
         return select_blocks_batched(selections, self.scale)
 
-    def _select_and_fetch(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]], wait: bool,
+    def _select_and_fetch(self, batches: list[tuple[int, list[tuple[StepRequest, torch.Tensor]]]], wait: bool,
                           cap: int | None = None) -> None:
         """wait=False: the look-ahead prefetch, capped by the replacement rate, of missing blocks
         ranked in the top `prefetch_rank_fraction` of the prediction (the rest of its top-K is
         kept if resident). wait=True: an on-demand fetch of the query's missing top-K, at most
-        `cap` blocks per head (None: all)."""
-        caps = []
-        for req, _ in work:
-            budget = min(req.budget_blocks, req.ws.plan.budget)
-            caps.append(cap if wait else replacement_cap(req.ws, layer, budget * self.max_replace_fraction))
-        # A request that may move nothing this step is not ranked: its selection would be thrown away.
-        work = [(item, c) for item, c in zip(work, caps) if c != 0]
-        if not work:
+        `cap` blocks per head (None: all). `batches`: (layer, [(request, query rows)]), all ranked
+        in one batch and fetched in one I/O job."""
+        todo = []  # (layer, request, query rows, cap)
+        for layer, work in batches:
+            for req, query in work:
+                budget = min(req.budget_blocks, req.ws.plan.budget)
+                c = cap if wait else replacement_cap(req.ws, layer, budget * self.max_replace_fraction)
+                if c != 0:  # a request that may move nothing is not ranked: its selection would be thrown away
+                    todo.append((layer, req, query, c))
+        if not todo:
             return
-        fetches = []
+        fetches = []  # (layer, working set, plan)
         with one_cpu_thread():
-            wanted_sets = self._top_blocks(layer, [item for item, _ in work])
-            for ((req, _), c), wanted in zip(work, wanted_sets):
-                depth = None if wait else max(1, int(wanted.shape[1] * self.prefetch_rank_fraction))
-                plan = plan_replacements(req.ws, layer, wanted, self.step_index, c, depth)
-                if len(plan):
-                    fetches.append((req.ws, plan))
+            wanted_sets = self._top_blocks([(layer, req, query) for layer, req, query, _ in todo])
+            for layer in dict.fromkeys(item[0] for item in todo):
+                items = [(item, wanted) for item, wanted in zip(todo, wanted_sets) if item[0] == layer]
+                plans = plan_replacements_many(layer, self.step_index, [
+                    PlanRequest(req.ws, wanted, c,
+                                None if wait else max(1, int(wanted.shape[1] * self.prefetch_rank_fraction)))
+                    for (_, req, _, c), wanted in items
+                ])
+                fetches += [(layer, req.ws, plan) for ((_, req, _, _), _), plan in zip(items, plans) if len(plan)]
             if fetches:
-                self._fetch(layer, fetches)
+                self._fetch(fetches)
         if wait:
-            for ws, _ in fetches:
+            for layer, ws, _ in fetches:
                 self._await_layer(ws, layer, on_demand=True)
 
-    def _fetch(self, layer: int, fetches: list[tuple[WorkingSet, object]]) -> None:
-        """Issue one layer's fetches of every request as one I/O job."""
+    def _fetch(self, fetches: list[tuple[int, WorkingSet, object]]) -> None:
+        """Issue the fetches (layer, working set, plan) of every request as one I/O job."""
         reads = []
-        for ws, plan in fetches:
-            row_indices = torch.tensor(plan.row_indices)
-            heads = torch.tensor(plan.heads)
-            slots = self.pool.unit_ids(ws.rows[row_indices], layer, heads)
-            reads.append((ws.request_id, layer, heads.numpy(), plan.blocks, self.pool.tensor, slots.numpy()))
-            ws.in_flight[layer, heads, row_indices] = True
+        for layer, ws, plan in fetches:
+            # numpy, not torch: a handful of tiny index operations per request and layer.
+            slots = self.pool.unit_ids(ws.rows.numpy()[plan.row_indices], layer, plan.heads)
+            reads.append((ws.request_id, layer, plan.heads, plan.blocks, self.pool.tensor, slots))
+            ws.in_flight.numpy()[layer, plan.heads, plan.row_indices] = True
             previous = ws.pending[layer]
             if previous is not None:  # at most one transfer per layer in flight: finish the older one
                 previous.wait(self.fetch_timeout_s)
             self.counters.blocks_fetched += len(plan)
             self.counters.bytes_fetched += len(plan) * self.pool.layout.unit_bytes
         handle = self.client.read_many(reads)
-        for ws, _ in fetches:
+        for layer, ws, _ in fetches:
             ws.pending[layer] = handle
 
     def _await_layer(self, ws: WorkingSet, layer: int, on_demand: bool = False) -> None:
@@ -305,13 +331,13 @@ class SparseAttention:
         ws.pending[layer] = None
         ws.in_flight[layer] = False
 
-    def _track_recall(self, layer: int, work: list[tuple[StepRequest, torch.Tensor]]) -> None:
-        """How many of each current query's top-K blocks are resident (were predicted)."""
-        if not work:
+    def _track_recall(self, samples: list[tuple[int, StepRequest, torch.Tensor, torch.Tensor]]) -> None:
+        """How many of each current query's top-K blocks were resident (predicted) when it
+        attended; samples: (layer, request, current query, the budget rows' blocks then)."""
+        if not samples:
             return
         with one_cpu_thread():
-            ranked = self._top_blocks(layer, work)
-        for (req, _), actual in zip(work, ranked):
+            ranked = self._top_blocks([(layer, req, query) for layer, req, query, _ in samples])
+        for (_, _, _, resident), actual in zip(samples, ranked):
             if actual.size:
-                resident = req.ws.blocks[layer, :, req.ws.budget_slice]
                 self.counters.add_recall(recall(resident, torch.from_numpy(actual)))

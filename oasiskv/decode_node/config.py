@@ -29,6 +29,12 @@ class DecodeConfig(BaseModel):
         "of the top-K; blocks ranked lower stay if resident but are not fetched (1: anywhere in the top-K). Pooled over "
         "four 8K texts on Qwen 0.5B at 2,048, 0.25 fetched 4x fewer bytes while decoding than 1, at the same quality",
     )
+    lookahead_layer_group: int = Field(
+        4, ge=1, description="lookahead only: the draft rows' block selection runs once per this many layers, for all "
+        "of them together, and their prefetches go out as one I/O job after the group's last layer (1: after every "
+        "layer). Each call's fixed cost (on a CPU, its code and data back in caches the model's weights flushed; on "
+        "a GPU, a host sync) is paid once per group; the fetches still overlap the rest of the pass",
+    )
     lookahead_topup_blocks: int = Field(
         0, ge=0, description="lookahead only: before attending, fetch on demand (and wait for) up to this many blocks "
         "per layer and KV head among the current query's top-K that the prediction missed; 0: pure look-ahead",

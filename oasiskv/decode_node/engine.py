@@ -87,7 +87,7 @@ class DecodeEngine:
             self.pool, self.client, mc.sliding_window, mc.softmax_scale, self.config.max_replace_fraction,
             self.config.miss_policy, self.counters, self.config.fetch_timeout_s,
             self.config.recall_sample_steps, self.config.uses_triton_attention, self.config.lookahead_topup_blocks,
-            self.config.prefetch_rank_fraction,
+            self.config.prefetch_rank_fraction, self.config.lookahead_layer_group,
         )
         self.drafter = drafter if drafter is not None else NgramDrafter()
         self.eos_token_ids = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
@@ -170,9 +170,9 @@ class DecodeEngine:
                 wanted = torch.stack([w[:width] for w in per_head])
                 fetch = plan_replacements(ws, layer, wanted, 0, None)
                 layers.append(np.full(len(fetch), layer))
-                heads.append(np.array(fetch.heads, dtype=np.int64))
-                blocks.append(np.array(fetch.blocks, dtype=np.int64))
-                row_index.append(np.array(fetch.row_indices, dtype=np.int64))
+                heads.append(fetch.heads)
+                blocks.append(fetch.blocks)
+                row_index.append(fetch.row_indices)
         layers, heads, blocks, row_index = (np.concatenate(x).astype(np.int64) for x in (layers, heads, blocks, row_index))
         slots = self.pool.unit_ids(rows[torch.from_numpy(row_index)], torch.from_numpy(layers), torch.from_numpy(heads))
         self.client.read_blocks(req.request_id, layers, heads, blocks, self.pool.tensor, slots.numpy()).wait(

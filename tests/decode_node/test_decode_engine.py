@@ -123,6 +123,45 @@ def test_a_shallow_prefetch_depth_fetches_fewer_blocks(smollm2_llm, store, promp
     assert shallow.pool.allocator.num_free == shallow.pool.num_rows
 
 
+def test_grouped_selection_fetches_and_decodes_as_per_layer_selection(smollm2_llm, store, prompts):
+    """lookahead_layer_group: the draft rows of several layers are ranked together after the
+    group's last layer. The ranking inputs are the same, so are the plans: the same blocks move,
+    the same tokens come out, the same recall is counted, in fewer I/O jobs. 4 does not divide
+    SmolLM2's 30 layers, so the last group is a short one."""
+    small = dict(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
+    runs = {}
+    for group in (1, 4):
+        jobs = []
+
+        def counting(read_many):
+            def wrapper(reads):
+                jobs.append({layer for _, layer, *_ in reads})
+                return read_many(reads)
+            return wrapper
+
+        config = DecodeConfig(lookahead_layer_group=group, **small)
+        client = connect(store)
+        engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config)
+        engine.client.read_many = counting(engine.client.read_many)
+        prefiller = Prefiller(smollm2_llm.model, client)
+        for i, prompt in enumerate(prompts):
+            result = prefiller.prefill(f"group{group}-{i}", prompt, GREEDY, budget_blocks=config.budget_blocks,
+                                       excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks)
+            engine.add(result, GREEDY)
+        outputs = engine.run_to_completion()
+        runs[group] = (engine.counters, [outputs[f"group{group}-{i}"].token_ids for i in range(len(prompts))], jobs)
+    (per_layer, tokens_1, jobs_1), (grouped, tokens_4, jobs_4) = runs[1], runs[4]
+    assert tokens_4 == tokens_1
+    assert grouped.blocks_fetched == per_layer.blocks_fetched > 0
+    assert grouped.recall_samples == per_layer.recall_samples > 0
+    assert grouped.prediction_recall == pytest.approx(per_layer.prediction_recall)
+    assert max(len(layers) for layers in jobs_1) == 1
+    assert max(len(layers) for layers in jobs_4) == 4
+    assert all(len({layer // 4 for layer in layers}) == 1 for layers in jobs_4)  # one group per job
+    assert any(max(layers) == smollm2_llm.model.config.num_layers - 1 for layers in jobs_4)
+    assert len(jobs_4) < len(jobs_1)
+
+
 @pytest.mark.parametrize("kind", ["minmax", "moments"])
 def test_write_back_summarizes_as_the_prompt_was(smollm2_llm, store, prompts, kind):
     """The node summarizes the blocks it writes back itself (no read from the store) with the
@@ -200,3 +239,5 @@ def test_config_validates_early():
         DecodeConfig(summary_read_dtype="float16")
     with pytest.raises(ValueError, match="prefetch_rank_fraction"):
         DecodeConfig(prefetch_rank_fraction=0)
+    with pytest.raises(ValueError, match="lookahead_layer_group"):
+        DecodeConfig(lookahead_layer_group=0)

@@ -1,5 +1,6 @@
-"""`plan_replacements` (all heads at once) against the per-head loop it replaced, on random
-working sets: the same fetch plan, the same block map, the same recency, step after step."""
+"""`plan_replacements` (all heads at once) and `plan_replacements_many` (all requests at once)
+against the per-head loop they replaced, on random working sets: the same fetch plan, the same
+block map, the same recency, step after step."""
 
 from __future__ import annotations
 
@@ -7,14 +8,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oasiskv.decode_node.lookahead import FetchPlan, plan_replacements, replacement_cap
+from oasiskv.decode_node.lookahead import (
+    FetchPlan,
+    PlanRequest,
+    plan_replacements,
+    plan_replacements_many,
+    replacement_cap,
+)
 from oasiskv.decode_node.working_set import EMPTY, RowPlan, WorkingSet
 
 
 def reference_plan_replacements(ws: WorkingSet, layer: int, wanted: torch.Tensor, step: int,
                                 max_replace: int | None, fetch_depth: int | None = None) -> FetchPlan:
     """The original implementation, one head at a time (the reference for the vectorized one)."""
-    plan = FetchPlan([], [], [])
+    plan = FetchPlan([], [], [])  # lists here; the real one returns arrays
     budget = ws.budget_slice
     base = budget.start
     for head in range(wanted.shape[0]):
@@ -90,9 +97,55 @@ def test_vectorized_plan_matches_the_per_head_loop(seed, heads, budget, num_bloc
         wanted = _random_wanted(g, heads, k, num_blocks)
         got = plan_replacements(fast, layer, wanted, step, max_replace, fetch_depth)
         expected = reference_plan_replacements(slow, layer, wanted, step, max_replace, fetch_depth)
-        assert (got.heads, got.blocks, got.row_indices) == (expected.heads, expected.blocks, expected.row_indices)
+        assert _as_lists(got) == (expected.heads, expected.blocks, expected.row_indices)
         assert torch.equal(fast.blocks, slow.blocks)
         assert torch.equal(fast.last_selected, slow.last_selected)
+
+
+def _as_lists(plan: FetchPlan) -> tuple[list, list, list]:
+    return plan.heads.tolist(), plan.blocks.tolist(), plan.row_indices.tolist()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    requests=st.lists(
+        st.tuples(
+            st.integers(1, 4),  # KV heads
+            st.integers(0, 16),  # budget rows
+            st.integers(-16, 3),  # k - budget
+            st.one_of(st.none(), st.integers(0, 20)),  # max_replace
+            st.one_of(st.none(), st.integers(1, 16)),  # fetch_depth
+        ),
+        min_size=1, max_size=5,
+    ),
+    num_blocks=st.integers(1, 48),
+    steps=st.integers(1, 3),
+)
+def test_many_requests_at_once_plan_as_each_alone(seed, requests, num_blocks, steps):
+    """Requests of different widths, head counts, caps and depths, padded into one stack, get
+    exactly the plan (and state) each would get alone."""
+    g = torch.Generator().manual_seed(seed)
+    layers = 2
+    together = [_random_ws(g, layers, heads, budget, num_blocks, False) for heads, budget, *_ in requests]
+    alone = [_random_ws(torch.Generator().manual_seed(0), layers, heads, budget, num_blocks, False)
+             for heads, budget, *_ in requests]
+    for a, b in zip(alone, together):
+        a.blocks.copy_(b.blocks)
+        a.last_selected.copy_(b.last_selected)
+    for step in range(3, 3 + steps):
+        layer = step % layers
+        wanted = [_random_wanted(g, heads, max(0, budget + k_extra), num_blocks)
+                  for heads, budget, k_extra, _, _ in requests]
+        got = plan_replacements_many(layer, step, [
+            PlanRequest(ws, w, cap, depth) for ws, w, (_, _, _, cap, depth) in zip(together, wanted, requests)
+        ])
+        for ws, w, (_, _, _, cap, depth), plan in zip(alone, wanted, requests, got):
+            expected = reference_plan_replacements(ws, layer, w, step, cap, depth)
+            assert _as_lists(plan) == (expected.heads, expected.blocks, expected.row_indices)
+        for a, b in zip(alone, together):
+            assert torch.equal(a.blocks, b.blocks)
+            assert torch.equal(a.last_selected, b.last_selected)
 
 
 def test_plan_prefers_empty_then_least_recently_selected_rows():
@@ -104,14 +157,12 @@ def test_plan_prefers_empty_then_least_recently_selected_rows():
     fetch = plan_replacements(ws, 0, wanted, 7, max_replace=2)
     # Head 0: 13 stays; 40 takes the empty row (3), 41 the least recently selected unwanted (11, row 2).
     # Head 1: 21 stays; 50 takes 22 (selected at 0, row 3), 51 takes 23 (selected at 2, row 4).
-    assert fetch.heads == [0, 0, 1, 1]
-    assert fetch.blocks == [40, 41, 50, 51]
-    assert fetch.row_indices == [3, 2, 3, 4]
+    assert _as_lists(fetch) == ([0, 0, 1, 1], [40, 41, 50, 51], [3, 2, 3, 4])
     assert ws.blocks[0, :, 1:].tolist() == [[10, 41, 40, 13], [20, 21, 50, 51]]
     assert ws.last_selected[0, :, 1:].tolist() == [[3, 7, 7, 7], [3, 7, 7, 7]]
     # The cap: one replacement per head at most.
     fetch = plan_replacements(ws, 0, torch.tensor([[60, 61], [70, 71]]), 8, max_replace=1)
-    assert fetch.blocks == [60, 70]
+    assert fetch.blocks.tolist() == [60, 70]
 
 
 def test_fetch_depth_keeps_low_ranked_resident_blocks_but_fetches_only_high_ranked_ones():
@@ -122,8 +173,8 @@ def test_fetch_depth_keeps_low_ranked_resident_blocks_but_fetches_only_high_rank
     # Ranked: 40 (missing), 12 (resident), 41 (missing), 13 (resident). Depth 2: only 40 is worth a
     # transfer; 41 is not fetched, yet 13 (ranked below the depth) is kept over 10 and 11.
     fetch = plan_replacements(ws, 0, torch.tensor([[40, 12, 41, 13]]), 5, max_replace=None, fetch_depth=2)
-    assert fetch.blocks == [40]
-    assert fetch.row_indices == [1]  # 10's row: unwanted, least recently selected, first by row
+    assert fetch.blocks.tolist() == [40]
+    assert fetch.row_indices.tolist() == [1]  # 10's row: unwanted, least recently selected, first by row
     assert ws.blocks[0, 0, 1:].tolist() == [40, 11, 12, 13]
     assert ws.last_selected[0, 0, 1:].tolist() == [5, 1, 5, 5]
     # Nothing missing within the depth: no transfer at all, whatever the cap allows.
