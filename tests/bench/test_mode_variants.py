@@ -15,6 +15,8 @@ def test_a_label_names_its_mode_and_its_decode_config_variants():
     assert parse_mode("dense", MODES) == ("dense", {})
     assert parse_mode("lookahead+topup4+rate0.01+depth0.5", MODES) == (
         "lookahead", {"lookahead_topup_blocks": 4, "max_replace_fraction": 0.01, "prefetch_rank_fraction": 0.5})
+    assert parse_mode("lookahead+group1", MODES) == ("lookahead", {"lookahead_layer_group": 1})
+    assert DecodeConfig(**parse_mode("lookahead+group8", MODES)[1]).lookahead_layer_group == 8
 
 
 @pytest.mark.parametrize("label, problem", [
