@@ -148,7 +148,40 @@ def test_bfloat16_summaries_still_bound_every_key():
         assert (block_scores(queries, wide)[head] >= group_block_max - 1e-4).all()
 
 
+def _narrow_by_nearest_then_nudge(summaries: torch.Tensor) -> torch.Tensor:
+    """The reference: round to nearest, then move each element that went inward one bfloat16
+    step back out (the implementation before the bit-level one)."""
+    narrow = summaries.to(torch.bfloat16)
+    wide = narrow.float()
+    lo, hi = narrow[..., 0, :], narrow[..., 1, :]
+    low_too_high = wide[..., 0, :] > summaries[..., 0, :]
+    high_too_low = wide[..., 1, :] < summaries[..., 1, :]
+    lo[low_too_high] = torch.nextafter(lo[low_too_high], lo.new_tensor(float("-inf")))
+    hi[high_too_low] = torch.nextafter(hi[high_too_low], hi.new_tensor(float("inf")))
+    return narrow
+
+
+def test_bit_level_narrowing_equals_rounding_to_nearest_then_nudging_outward():
+    torch.manual_seed(5)
+    summaries = torch.randn(3, 2, 50, 2, 64) * torch.logspace(-30, 30, 64)  # every magnitude, both signs
+    flat = summaries.view(-1)
+    flat[:200] = flat[:200].bfloat16().float()  # exactly representable: must not move
+    specials = [0.0, -0.0, float("inf"), float("-inf"), 3.3e38, -3.3e38, 1e-40, -1e-40, 1e-45, -1e-45]
+    flat[200 : 200 + len(specials)] = torch.tensor(specials)
+    narrow = narrow_summaries(summaries, torch.bfloat16)
+    assert narrow.dtype == torch.bfloat16 and narrow.shape == summaries.shape
+    assert torch.equal(narrow.view(torch.int16), _narrow_by_nearest_then_nudge(summaries).view(torch.int16))
+    wide = narrow.float()
+    assert (wide[..., 0, :] <= summaries[..., 0, :]).all() and (wide[..., 1, :] >= summaries[..., 1, :]).all()
+    assert torch.equal(wide.view(-1)[:200], flat[:200])
+    # A view that is not contiguous narrows like its copy.
+    assert torch.equal(narrow_summaries(summaries[:, :, ::2], torch.bfloat16).view(torch.int16),
+                       narrow[:, :, ::2].view(torch.int16))
+
+
 def test_narrowing_to_an_unsupported_dtype_is_refused():
     with pytest.raises(InvalidArgument, match="float16"):
         narrow_summaries(torch.zeros(1, 2, 4), torch.float16)
     assert narrow_summaries(torch.ones(1, 2, 4), "float32").dtype == torch.float32
+    with pytest.raises(InvalidArgument, match="from float32"):
+        narrow_summaries(torch.ones(1, 2, 4, dtype=torch.float64), torch.bfloat16)
