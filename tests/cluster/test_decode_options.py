@@ -57,6 +57,13 @@ def test_prefetch_rank_fraction_reaches_the_decode_config():
             _config("--prefetch-rank-fraction", value)
 
 
+def test_lookahead_layer_group_reaches_the_decode_config():
+    assert _config().decode.lookahead_layer_group == 4
+    assert _config("--lookahead-layer-group", "1").decode.lookahead_layer_group == 1
+    with pytest.raises(ValidationError, match="lookahead_layer_group"):
+        _config("--lookahead-layer-group", "0")
+
+
 def test_summary_kind_reaches_the_cluster_config():
     assert _config().summary_kind == DEFAULT_SUMMARY_KIND == "moments"
     assert _config("--summary-kind", "minmax").summary_kind == "minmax"
