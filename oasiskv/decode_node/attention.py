@@ -273,17 +273,14 @@ class SparseAttention:
                     todo.append((layer, req, query, c))
         if not todo:
             return
-        fetches = []  # (layer, working set, plan)
         with one_cpu_thread():
             wanted_sets = self._top_blocks([(layer, req, query) for layer, req, query, _ in todo])
-            for layer in dict.fromkeys(item[0] for item in todo):
-                items = [(item, wanted) for item, wanted in zip(todo, wanted_sets) if item[0] == layer]
-                plans = plan_replacements_many(layer, self.step_index, [
-                    PlanRequest(req.ws, wanted, c,
-                                None if wait else max(1, int(wanted.shape[1] * self.prefetch_rank_fraction)))
-                    for (_, req, _, c), wanted in items
-                ])
-                fetches += [(layer, req.ws, plan) for ((_, req, _, _), _), plan in zip(items, plans) if len(plan)]
+            plans = plan_replacements_many(self.step_index, [
+                PlanRequest(req.ws, layer, wanted, c,
+                            None if wait else max(1, int(wanted.shape[1] * self.prefetch_rank_fraction)))
+                for (layer, req, _, c), wanted in zip(todo, wanted_sets)
+            ])
+            fetches = [(layer, req.ws, plan) for (layer, req, _, _), plan in zip(todo, plans) if len(plan)]
             if fetches:
                 self._fetch(fetches)
         if wait:

@@ -3,7 +3,7 @@ KV head, and turn the difference with what is resident into a fetch list.
 
 `lookahead` scores with the draft rows' queries (they approximate the next step's query) and
 prefetches for the next step; `sparse-current` scores with the current query and fetches before
-attending. Both go through `plan_replacements_many`, every request of a layer at once.
+attending. Both go through `plan_replacements_many`, every (request, layer) of a call at once.
 """
 
 from __future__ import annotations
@@ -145,11 +145,12 @@ def replacement_cap(ws: WorkingSet, layer: int, blocks_per_step: float) -> int:
 
 @dataclass
 class PlanRequest:
-    """One request's part of a batched plan: its working set, the blocks it wants in a layer
-    ([kv_heads, k], best first), how many it may replace per head (None: as many as it has
-    rows) and, when given, the depth of `wanted` worth a transfer."""
+    """One part of a batched plan: a working set and one of its layers, the blocks it wants
+    there ([kv_heads, k], best first), how many it may replace per head (None: as many as it
+    has rows) and, when given, the depth of `wanted` worth a transfer."""
 
     ws: WorkingSet
+    layer: int
     wanted: np.ndarray | torch.Tensor
     max_replace: int | None
     fetch_depth: int | None = None
@@ -167,16 +168,17 @@ def plan_replacements(
     last selection, ties by row), never a wanted block's row. The plan lists head by head, best
     first within a head.
     """
-    return plan_replacements_many(layer, step, [PlanRequest(ws, wanted, max_replace, fetch_depth)])[0]
+    return plan_replacements_many(step, [PlanRequest(ws, layer, wanted, max_replace, fetch_depth)])[0]
 
 
-def plan_replacements_many(layer: int, step: int, requests: list[PlanRequest]) -> list[FetchPlan]:
-    """`plan_replacements` for every request of a step in one pass over all their heads.
+def plan_replacements_many(step: int, requests: list[PlanRequest]) -> list[FetchPlan]:
+    """`plan_replacements` for many (working set, layer) parts in one pass over all their heads.
 
-    Each (request, KV head) is one row of the stacked arrays, padded to the widest budget and
-    the longest `wanted`; padding is never a hit, never missing and never evicted. A decode step
-    plans every running request in every layer: per request, the ~40 array operations cost more
-    in dispatch than in work (62 us a request in a decode run), so they run once for all.
+    Each (part, KV head) is one row of the stacked arrays, padded to the widest budget and the
+    longest `wanted`; padding is never a hit, never missing and never evicted. A decode step
+    plans every running request in every layer: the ~40 array operations run once per call,
+    not once per request and layer. Measured, most of a call's cost in a decode run is fixed
+    (its code and data back in caches the model's weights flushed), so what pays is fewer calls.
     """
     plans = [FetchPlan.empty() for _ in requests]
     live = []
@@ -192,8 +194,8 @@ def plan_replacements_many(layer: int, step: int, requests: list[PlanRequest]) -
     lengths = np.array([want.shape[1] for _, _, want, _ in live])
     first_row = np.concatenate(([0], np.cumsum(heads)))  # row t of the stack: (request, head)
     total, width, length = int(first_row[-1]), int(widths.max()), int(lengths.max())
-    # numpy on views of the (CPU) bookkeeping tensors: each operation ~1 us against ~5-10 us of
-    # dispatch in torch.
+    # numpy on copies of the (CPU) bookkeeping tensors' rows: each operation ~1 us against ~5-10
+    # us of dispatch in torch.
     resident = np.full((total, width), EMPTY, dtype=np.int64)
     selected = np.zeros((total, width), dtype=np.int64)
     want = np.full((total, length), EMPTY, dtype=np.int64)
@@ -201,8 +203,8 @@ def plan_replacements_many(layer: int, step: int, requests: list[PlanRequest]) -
     depth = np.empty(total, dtype=np.int64)
     for n, (_, r, w, budget) in enumerate(live):
         rows = slice(first_row[n], first_row[n + 1])
-        resident[rows, : widths[n]] = r.ws.blocks.numpy()[layer, : heads[n], budget]
-        selected[rows, : widths[n]] = r.ws.last_selected.numpy()[layer, : heads[n], budget]
+        resident[rows, : widths[n]] = r.ws.blocks.numpy()[r.layer, : heads[n], budget]
+        selected[rows, : widths[n]] = r.ws.last_selected.numpy()[r.layer, : heads[n], budget]
         want[rows, : lengths[n]] = w
         limit[rows] = np.iinfo(np.int64).max if r.max_replace is None else r.max_replace
         depth[rows] = length if r.fetch_depth is None else r.fetch_depth
@@ -228,15 +230,15 @@ def plan_replacements_many(layer: int, step: int, requests: list[PlanRequest]) -
     bounds = np.searchsorted(stack_rows, first_row)
     for n, (i, r, _, budget) in enumerate(live):
         rows = slice(first_row[n], first_row[n + 1])
-        last_selected = r.ws.last_selected.numpy()[layer, : heads[n], budget]  # view, written through
+        last_selected = r.ws.last_selected.numpy()[r.layer, : heads[n], budget]  # view, written through
         last_selected[hit[rows, : widths[n]]] = step
         part = slice(bounds[n], bounds[n + 1])
         if part.stop == part.start:
             continue
         head_ids = stack_rows[part] - first_row[n]
         row_indices = budget.start + offsets[part]
-        r.ws.blocks.numpy()[layer, head_ids, row_indices] = blocks[part]
-        r.ws.last_selected.numpy()[layer, head_ids, row_indices] = step
+        r.ws.blocks.numpy()[r.layer, head_ids, row_indices] = blocks[part]
+        r.ws.last_selected.numpy()[r.layer, head_ids, row_indices] = step
         plans[i] = FetchPlan(head_ids, blocks[part], row_indices)
     return plans
 

@@ -123,8 +123,8 @@ def _as_lists(plan: FetchPlan) -> tuple[list, list, list]:
     steps=st.integers(1, 3),
 )
 def test_many_requests_at_once_plan_as_each_alone(seed, requests, num_blocks, steps):
-    """Requests of different widths, head counts, caps and depths, padded into one stack, get
-    exactly the plan (and state) each would get alone."""
+    """Requests of different widths, head counts, caps, depths and layers, padded into one
+    stack, get exactly the plan (and state) each would get alone."""
     g = torch.Generator().manual_seed(seed)
     layers = 2
     together = [_random_ws(g, layers, heads, budget, num_blocks, False) for heads, budget, *_ in requests]
@@ -134,13 +134,14 @@ def test_many_requests_at_once_plan_as_each_alone(seed, requests, num_blocks, st
         a.blocks.copy_(b.blocks)
         a.last_selected.copy_(b.last_selected)
     for step in range(3, 3 + steps):
-        layer = step % layers
+        part_layers = [(step + n) % layers for n in range(len(requests))]  # parts of one call in different layers
         wanted = [_random_wanted(g, heads, max(0, budget + k_extra), num_blocks)
                   for heads, budget, k_extra, _, _ in requests]
-        got = plan_replacements_many(layer, step, [
-            PlanRequest(ws, w, cap, depth) for ws, w, (_, _, _, cap, depth) in zip(together, wanted, requests)
+        got = plan_replacements_many(step, [
+            PlanRequest(ws, layer, w, cap, depth)
+            for ws, layer, w, (_, _, _, cap, depth) in zip(together, part_layers, wanted, requests)
         ])
-        for ws, w, (_, _, _, cap, depth), plan in zip(alone, wanted, requests, got):
+        for ws, layer, w, (_, _, _, cap, depth), plan in zip(alone, part_layers, wanted, requests, got):
             expected = reference_plan_replacements(ws, layer, w, step, cap, depth)
             assert _as_lists(plan) == (expected.heads, expected.blocks, expected.row_indices)
         for a, b in zip(alone, together):
