@@ -4,6 +4,13 @@ The draft model keeps, per request, only its first `sink_tokens` and its most re
 (a ring of `window_tokens + max_chunk` slots), so its memory does not grow with the context.
 Each propose() first feeds the tokens accepted since the last call (rolling back what the target
 rejected), then runs k single-token steps batched across requests.
+
+Its compute is bounded too: a history longer than the ring (a new request's prompt) is not run
+through the draft model whole. Only the sinks and the tokens the ring keeps are fed; the rest
+would be evicted before the catch-up ends. Running them would be a second prefill of every
+prompt on the decode node (8 requests of 8K tokens: minutes of the 0.5B model on a CPU). The
+kept tokens' K/V then come from a cold start (they see the sinks and each other, not what came
+before them), which can only cost acceptance: verification keeps the output exact.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from ..models.attention import PAD_POSITION, AttentionBatch, PagedAttention
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
 from ..models.sampling import SamplingParams, make_generator, target_probs
 from ..models.transformer import DecoderModel
-from .speculative import Draft, DrafterMismatch
+from .speculative import Draft, DrafterMismatch, NgramDrafter
 
 
 
@@ -77,7 +84,7 @@ class DraftModelDrafter:
         # Catch up in chunks; the final chunk of every request ends at its last token.
         logits = torch.zeros((len(states), self.target_vocab_size))
         while not all(len(s.fed) == len(h) for s, h in zip(states, histories)):
-            feeds = [h[len(s.fed) : len(s.fed) + self.max_chunk] for s, h in zip(states, histories)]
+            feeds = [self._next_feed(s, h) for s, h in zip(states, histories)]
             self._forward(states, feeds, logits)
         tokens: list[list[int]] = [[] for _ in states]
         probs: list[list[torch.Tensor]] = [[] for _ in states]
@@ -96,6 +103,21 @@ class DraftModelDrafter:
                 self._forward(states, next_tokens, logits)
         # Draft tokens were fed for steps 0..k-2; they are rolled back next call if rejected.
         return [Draft(t, torch.stack(pr) if pr else None) for t, pr in zip(tokens, probs)]
+
+    def _next_feed(self, state: _DraftState, history: list[int]) -> list[int]:
+        """The next chunk to feed: at most max_chunk tokens, never one the ring would evict
+        before the history is fed (those are skipped: see the module's docstring)."""
+        keep_from = len(history) - self.ring  # the oldest position the ring holds once all is fed
+        fed = len(state.fed)
+        if fed < self.sink_tokens:
+            end = self.sink_tokens if keep_from > self.sink_tokens else fed + self.max_chunk
+            return history[fed : min(end, fed + self.max_chunk)]
+        if fed < keep_from:
+            state.fed.extend(history[fed:keep_from])
+            # Whatever the ring held is older than what comes next; nothing of it may be seen.
+            state.slot_positions[self.sink_tokens :] = PAD_POSITION
+            fed = keep_from
+        return history[fed : fed + self.max_chunk]
 
     def _forward(self, states: list[_DraftState], feeds: list[list[int]], logits_out: torch.Tensor) -> None:
         """Feed each request's tokens (possibly none); the last fed row's logits of each fed
@@ -144,3 +166,17 @@ def check_vocabularies(draft_vocab: int, target_vocab: int, draft_tokenizer=None
             )
     if draft_vocab < target_vocab and draft_tokenizer is None:
         raise DrafterMismatch(f"draft model vocabulary ({draft_vocab}) is smaller than the target's ({target_vocab})")
+
+
+def build_drafter(name: str, target: DecoderModel, target_tokenizer, dtype: torch.dtype):
+    """`DecodeConfig.drafter` as a drafter: 'ngram' (prompt lookup), or a draft model's registry
+    name or path, loaded in `dtype` on the target's device and checked against its vocabulary."""
+    if name == "ngram":
+        return NgramDrafter()
+    from ..models.loader import load_model_dir
+    from ..models.pull import resolve_model
+    from ..models.tokenizer import load_tokenizer
+
+    draft_dir = resolve_model(name, progress=False)
+    draft = load_model_dir(draft_dir, dtype=dtype, device=next(target.parameters()).device)
+    return DraftModelDrafter(draft, target.config.vocab_size, load_tokenizer(draft_dir), target_tokenizer)

@@ -23,20 +23,10 @@ from ..models.sampling import SamplingParams
 from ..models.tokenizer import load_tokenizer
 from .config import DecodeConfig
 from .engine import DecodeEngine
-from .speculative import NgramDrafter
+from .draft_model import build_drafter
 from .store_directory import StoreDirectory
 
 log = logging.getLogger(__name__)
-
-
-def build_drafter(name: str, target, target_tokenizer, dtype: torch.dtype):
-    if name == "ngram":
-        return NgramDrafter()
-    from .draft_model import DraftModelDrafter
-
-    draft_dir = resolve_model(name, progress=False)
-    draft = load_model_dir(draft_dir, dtype=dtype, device=next(target.parameters()).device)
-    return DraftModelDrafter(draft, target.config.vocab_size, load_tokenizer(draft_dir), target_tokenizer)
 
 
 class DecodeWorker:
