@@ -26,7 +26,9 @@ Measured per mode (the decode engine's own counters plus timers around its parts
   the first working set and every block's key summary for the sparse modes) +
   prefetch/on-demand fetches during decode;
 - decode-node KV memory: peak of pool rows in use x row_bytes (and the pool size);
-- draft acceptance rate (n-gram drafter, k drafts), prediction recall (sparse modes);
+- draft acceptance rate (k drafts from --drafter: the n-gram drafter by default, or a draft model
+  such as qwen2.5-coder-0.5b for the 1.5B target, the same for every mode), prediction recall
+  (sparse modes);
 - time breakdown: admission, model forward (and inside it: block selection + fetch issue,
   waits for transfers, the recall counter's own scoring), write-back, drafting, verification.
 Ratios: lookahead / dense and sparse-current / dense tokens/s, and dense / mode KV moved per
@@ -60,8 +62,10 @@ import oasiskv.decode_node.engine as engine_module  # noqa: E402
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
 from oasiskv.decode_node.engine import DecodeEngine  # noqa: E402
 from oasiskv.decode_node.lookahead import select_blocks  # noqa: E402
-from oasiskv.decode_node.speculative import NgramDrafter  # noqa: E402
+from oasiskv.decode_node.draft_model import build_drafter  # noqa: E402
+from oasiskv.decode_node.speculative import DrafterMismatch  # noqa: E402
 from oasiskv.kvstore import connect, ranking_radius_weight  # noqa: E402
+from oasiskv.models.errors import ModelError  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import PrefillResult, kv_layout_for  # noqa: E402
 
@@ -280,7 +284,7 @@ def breakdown(t: dict) -> dict:
         "forward: recall counter (instrumentation)": t.get("recall_counter", 0.0),
         "lm head + verification": t.get("lm_head", 0.0) + t.get("verify", 0.0),
         "write-back to store": t.get("write_back", 0.0),
-        "drafting (n-gram)": t.get("drafting", 0.0),
+        "drafting": t.get("drafting", 0.0),
     }
     parts["other (scheduling, bookkeeping)"] = t["wall"] - sum(parts.values())
     return parts
@@ -293,7 +297,9 @@ def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], ar
                           num_draft_tokens=args.num_draft_tokens, sink_blocks=args.sink_blocks,
                           window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)),
                           **decode_overrides(args, OVERRIDES, variant))
-    engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=NgramDrafter())
+    # A fresh drafter per run: a draft model's per-request KV must not outlive its engine.
+    drafter = build_drafter(args.drafter, llm.model, llm.tokenizer, next(llm.model.parameters()).dtype)
+    engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=drafter)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     ids = [f"{tag}-{label}-{i}" for i in range(len(lengths))]
     write_started = time.perf_counter()
@@ -355,6 +361,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 128, quick 32)")
     parser.add_argument("--budget-tokens", type=int, default=None, help="default 2048 (quick 512)")
     parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--drafter", default="ngram",
+                        help="'ngram' (prompt lookup) or a draft model sharing the target's tokenizer, e.g. "
+                             "qwen2.5-coder-0.5b with --model qwen2.5-coder-1.5b (DecodeConfig.drafter)")
     parser.add_argument("--sink-blocks", type=int, default=1)
     parser.add_argument("--window-blocks", type=int, default=4)
     parser.add_argument("--dense-fit", type=int, default=4, help="requests the pool holds in dense mode")
@@ -392,6 +401,10 @@ def main(argv=None) -> int:
     model = llm.model
     if max(contexts) + args.new_tokens + k + 1 > llm.max_model_len:
         parser.error(f"context + new tokens exceed {args.model}'s {llm.max_model_len} tokens")
+    try:  # before the long prefill pass: a draft model that cannot serve this target fails at once
+        build_drafter(args.drafter, model, llm.tokenizer, next(model.parameters()).dtype)
+    except (DrafterMismatch, ModelError) as error:
+        parser.error(f"--drafter {args.drafter}: {error}")
     lengths = {c: [c - args.prompt_step * i for i in range(args.requests)] for c in contexts}
     if min(min(v) for v in lengths.values()) < 4 * BLOCK * (args.window_blocks + 2):
         parser.error("contexts too short for that many requests")
@@ -410,7 +423,7 @@ def main(argv=None) -> int:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "machine": platform.processor() or platform.machine(),
         "requests": args.requests, "prompt_step": args.prompt_step, "new_tokens": args.new_tokens,
         "budget_tokens": args.budget_tokens,
-        "num_draft_tokens": k, "dense_fit": args.dense_fit, "repeats": args.repeats, "transport": "nixl",
+        "num_draft_tokens": k, "drafter": args.drafter, "dense_fit": args.dense_fit, "repeats": args.repeats, "transport": "nixl",
         "store": store.ready_line, "store_capacity_gb": store_gb, "prefill_one_pass_s": prefill_s,
         "goal": {"speedup": GOAL_SPEEDUP, "less_kv": GOAL_LESS_KV}, "contexts": [],
     }

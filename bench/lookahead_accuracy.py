@@ -17,14 +17,17 @@ drafts (t+1..t+k). That verification pass is re-run here for real against the ca
 positions < t (the draft rows' K/V go to scratch slots), once per drafter:
   - perfect drafter: the drafts are the true continuation of the file;
   - n-gram drafter: `NgramDrafter` (prompt lookup) proposes from the history ids[:t+1], as the
-    decode node does (when it proposes nothing the current query is used, as the node does).
+    decode node does (when it proposes nothing the current query is used, as the node does);
+  - draft model (with --draft-model, e.g. qwen2.5-coder-0.5b for the 1.5B target): the decode
+    node's `DraftModelDrafter` (bounded KV: sinks + window) proposes greedily from the same history.
 
 Predictors, each the top-K (K = budget / 16 blocks, per layer and KV head) of `score_blocks`
 (the decode node's ranking, `rank_blocks`: per query head, the softmax over the candidate
 blocks of scale * (q.center + 0.2 |q|.radius) of their min/max key summary, the query rows
 averaged first, summed over the query heads of the KV group). These rows use `minmax`
 summaries; the node's default, `moments`, is in the *_moments rows below:
-  - lookahead_perfect / lookahead_ngram: the draft rows' queries of that drafter's pass;
+  - lookahead_perfect / lookahead_ngram / lookahead_draft_model: the draft rows' queries of that
+    drafter's pass;
   - current: the query at position t (row 0; what `sparse-current` uses);
   - oracle_ranking: the target query itself through the ranking (the best any summary-based
     predictor with this ranking can do; it isolates the ranking's loss from the prediction's);
@@ -44,7 +47,8 @@ Ceilings and what a richer summary would buy (diagnostics, not in the decode nod
     bits double them.
 The default summary kind (`KVLayout.summary_kind = "moments"`: mean +- std per element, the
 same bytes as min/max), ranked by the same rule with its radius weight (0.5):
-  - lookahead_perfect_moments / lookahead_ngram_moments / current_moments.
+  - lookahead_perfect_moments / lookahead_ngram_moments / current_moments (and
+    lookahead_draft_model_moments).
 
 Truth (the set to recall), per layer and KV head:
   - exact: top-K blocks by the exact attention weights of the true query at the target position
@@ -57,7 +61,8 @@ Truth (the set to recall), per layer and KV head:
     the mass the exact top-K holds (how much of what matters a predictor keeps).
 Targets: next_token = position t+1 (the next query if one token is emitted); next_step =
 position t+1+a, where a is the number of n-gram drafts that match the true continuation (the
-query the engine's next step really runs).
+query the engine's next step really runs); with --draft-model also next_step_draft_model, the
+same with the draft model's accepted drafts.
 
 Candidates exclude the sink (first block) and the decode node's window (the 4 newest blocks at
 step t) from both sets, as the decode node does (blocks leaving the window between two steps
@@ -89,10 +94,13 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from oasiskv.decode_node.lookahead import recall, score_blocks, top_blocks  # noqa: E402
-from oasiskv.decode_node.speculative import NgramDrafter  # noqa: E402
+from oasiskv.decode_node.draft_model import build_drafter  # noqa: E402
+from oasiskv.decode_node.speculative import DrafterMismatch, NgramDrafter  # noqa: E402
 from oasiskv.kvstore import block_scores, narrow_summaries, ranking_radius_weight, summarize_layer  # noqa: E402
 from oasiskv.models.attention import AttentionBatch, PagedAttention  # noqa: E402
+from oasiskv.models.errors import ModelError  # noqa: E402
 from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
+from oasiskv.models.sampling import SamplingParams  # noqa: E402
 
 from bench.common import grouped_bar_positions, real_text_token_ids, write_results  # noqa: E402
 
@@ -103,6 +111,7 @@ PREDICTORS = ("lookahead_perfect", "lookahead_ngram", "current", "oracle_ranking
               "lookahead_perfect_linear", "lookahead_perfect_bound", "lookahead_perfect_exact_keys",
               "current_exact_keys", "lookahead_perfect_sketch1", "lookahead_perfect_sketch2",
               "lookahead_perfect_moments", "lookahead_ngram_moments", "current_moments")
+DRAFT_MODEL_PREDICTORS = ("lookahead_draft_model", "lookahead_draft_model_moments")
 TRUTHS = ("exact", "ranking", "mass")
 LINEAR_RADIUS_WEIGHT = 0.4  # the best weight for the linear rule, measured
 MINMAX_WEIGHT = ranking_radius_weight("minmax")
@@ -294,22 +303,35 @@ def rows_block_mass(queries: torch.Tensor, keys: torch.Tensor, scale: float, can
     return mass.masked_fill(~candidates, float("-inf"))
 
 
+def accepted_prefix(drafts: list[int], truth: list[int]) -> int:
+    """How many drafts greedy verification accepts: the prefix that matches the true tokens."""
+    accepted = 0
+    for draft, true in zip(drafts, truth):
+        if draft != true:
+            break
+        accepted += 1
+    return accepted
+
+
 def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int, window: int, drafter: NgramDrafter,
-                      scale: float, sliding_window) -> dict:
+                      scale: float, sliding_window, draft_model=None) -> dict:
     ids = ctx.ids
     truth_tokens = ids[t + 1 : t + 1 + k]
     perfect_q, _ = ctx.verify(t, [ids[t]] + truth_tokens)
     ngram = drafter.propose(["bench"], [ids[: t + 1]], k)[0].tokens
     ngram_q, _ = ctx.verify(t, [ids[t]] + ngram)
-    accepted = 0
-    for draft, true in zip(ngram, truth_tokens):
-        if draft != true:
-            break
-        accepted += 1
+    accepted = accepted_prefix(ngram, truth_tokens)
     targets = {"next_token": t + 1, "next_step": t + 1 + accepted}
+    predictor_names = PREDICTORS
+    if draft_model is not None:
+        drafted = draft_model.propose(["bench"], [ids[: t + 1]], k, [SamplingParams()])[0].tokens
+        drafted_q, _ = ctx.verify(t, [ids[t]] + drafted)
+        drafted_accepted = accepted_prefix(drafted, truth_tokens)
+        targets["next_step_draft_model"] = t + 1 + drafted_accepted
+        predictor_names = PREDICTORS + DRAFT_MODEL_PREDICTORS
     candidates = candidate_mask(t, sinks, window)
     num_layers = perfect_q.shape[0]
-    out = {f"{truth}/{target}/{pred}": [] for truth in TRUTHS for target in targets for pred in PREDICTORS}
+    out = {f"{truth}/{target}/{pred}": [] for truth in TRUTHS for target in targets for pred in predictor_names}
     for layer in range(num_layers):
         summaries = ctx.summaries(layer, candidates.numel() * BLOCK, kind="minmax")
         keys_before_t = ctx.keys(layer, t)
@@ -335,6 +357,12 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
                            ("lookahead_ngram_moments", ngram_q[layer, 1:] if ngram else ngram_q[layer, :1]),
                            ("current_moments", perfect_q[layer, :1])):
             predictions[name] = top_blocks(score_blocks(rows, moments, candidates, scale, weight), top_k)
+        if draft_model is not None:
+            rows = drafted_q[layer, 1:] if drafted else drafted_q[layer, :1]
+            predictions["lookahead_draft_model"] = top_blocks(
+                score_blocks(rows, summaries, candidates, scale, MINMAX_WEIGHT), top_k)
+            predictions["lookahead_draft_model_moments"] = top_blocks(
+                score_blocks(rows, moments, candidates, scale, weight), top_k)
         for bits in (1, 2):
             sketched = sketch_keys(candidate_keys, summaries, bits)
             predictions[f"lookahead_perfect_sketch{bits}"] = top_blocks(
@@ -353,17 +381,20 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
             for name, predicted in preds.items():
                 # Share of the true top-K's attention mass that the predicted blocks hold.
                 out[f"mass/{target}/{name}"].append(float(mass.gather(1, predicted).sum()) / best if best > 0 else 1.0)
-    return {"t": t, "ngram_drafts": len(ngram), "ngram_accepted": accepted, "recall": out}
+    row = {"t": t, "ngram_drafts": len(ngram), "ngram_accepted": accepted, "recall": out}
+    if draft_model is not None:
+        row.update(draft_model_drafts=len(drafted), draft_model_accepted=drafted_accepted)
+    return row
 
 
-def run_context(ctx: DenseContext, context: int, args, scale: float, sliding_window, bar) -> dict:
+def run_context(ctx: DenseContext, context: int, args, scale: float, sliding_window, bar, draft_model=None) -> dict:
     k = args.num_draft_tokens
     top_k = args.budget_tokens // BLOCK
     drafter = NgramDrafter()
     rows = []
     for t in positions_for(context, args.positions, args.stride, k):
         rows.append(evaluate_position(ctx, t, k, top_k, args.sink_blocks, args.window_blocks, drafter, scale,
-                                      sliding_window))
+                                      sliding_window, draft_model))
         bar.update(1)
     keys = rows[0]["recall"].keys()
     per_layer = {key: [statistics.fmean(r["recall"][key][layer] for r in rows) for layer in range(len(rows[0]["recall"][key]))]
@@ -371,6 +402,10 @@ def run_context(ctx: DenseContext, context: int, args, scale: float, sliding_win
     mean = {key: statistics.fmean(values) for key, values in per_layer.items()}
     per_position = {key: [statistics.fmean(r["recall"][key]) for r in rows] for key in keys}
     proposed = sum(r["ngram_drafts"] for r in rows)
+    extra = {}
+    if draft_model is not None:
+        extra["draft_model_acceptance"] = (sum(r["draft_model_accepted"] for r in rows)
+                                           / max(1, sum(r["draft_model_drafts"] for r in rows)))
     return {
         "context": context,
         "positions": [r["t"] for r in rows],
@@ -381,6 +416,7 @@ def run_context(ctx: DenseContext, context: int, args, scale: float, sliding_win
         "recall_median_over_positions": {key: statistics.median(v) for key, v in per_position.items()},
         "recall_min_over_positions": {key: min(v) for key, v in per_position.items()},
         "recall_per_layer": per_layer,
+        **extra,
     }
 
 
@@ -401,6 +437,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-tokens", type=int, default=None, help="default 2048 (--quick: 512, so top-K stays "
                         "a similar share of the shorter contexts' blocks)")
     parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--draft-model", default=None,
+                        help="also predict from a draft model's drafts (registry name or path sharing the target's "
+                             "tokenizer, e.g. qwen2.5-coder-0.5b for --model qwen2.5-coder-1.5b)")
     parser.add_argument("--summary-dtype", default="bfloat16", choices=["float32", "bfloat16"],
                         help="the dtype the decode node reads key summaries in (DecodeConfig.summary_read_dtype)")
     parser.add_argument("--sink-blocks", type=int, default=1)
@@ -420,6 +459,12 @@ def main(argv=None) -> int:
     if max(contexts) > llm.max_model_len:
         parser.error(f"context {max(contexts)} exceeds {args.model}'s {llm.max_model_len} tokens")
     ids = real_text_token_ids(llm, max(contexts), offset=args.offset)
+    # Loaded before the long dense pass, so a draft model that cannot serve this target fails at once.
+    try:
+        draft_model = (build_drafter(args.draft_model, model, llm.tokenizer, next(model.parameters()).dtype)
+                       if args.draft_model else None)
+    except (DrafterMismatch, ModelError) as error:
+        parser.error(f"--draft-model {args.draft_model}: {error}")
     k = args.num_draft_tokens
     keep = {p for c in contexts for t in positions_for(c, args.positions, args.stride, k) for p in range(t, t + k + 2)}
     with tqdm(total=len(ids), desc="dense pass (keeps all KV)", unit="tok") as bar:
@@ -431,29 +476,38 @@ def main(argv=None) -> int:
         "budget_tokens": args.budget_tokens, "top_k_blocks": args.budget_tokens // BLOCK,
         "num_draft_tokens": k, "summary_dtype": args.summary_dtype, "sink_blocks": args.sink_blocks, "window_blocks": args.window_blocks,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "reference_paper": PAPER, "goal": GOAL,
-        "dense_pass_s": forward_s, "contexts": [],
+        "dense_pass_s": forward_s, "draft_model": args.draft_model, "contexts": [],
     }
     config = model.config
     with tqdm(total=len(contexts) * args.positions, desc="decode positions") as bar:
         for c in contexts:
-            results["contexts"].append(run_context(ctx, c, args, config.softmax_scale, config.sliding_window, bar))
+            results["contexts"].append(run_context(ctx, c, args, config.softmax_scale, config.sliding_window, bar,
+                                                   draft_model))
     results["total_s"] = time.perf_counter() - started
     print_table(results)
     write_results(Path(args.out), f"lookahead_accuracy_{args.model}", results, plot=_plot)
     return 0
 
 
+def predictors_of(results: dict) -> tuple[str, ...]:
+    return PREDICTORS + (DRAFT_MODEL_PREDICTORS if results.get("draft_model") else ())
+
+
 def print_table(results: dict) -> None:
     print(f"\nrecall of the true top-{results['top_k_blocks']} blocks (budget {results['budget_tokens']} tokens), "
           f"{results['model']}, k={results['num_draft_tokens']} drafts; mean over layers and positions")
     cols = ("exact/next_token", "exact/next_step", "ranking/next_token", "ranking/next_step", "mass/next_token")
+    if results.get("draft_model"):
+        cols += ("exact/next_step_draft_model",)
     for row in results["contexts"]:
         acc = row["ngram_acceptance"]
         print(f"\ncontext {row['context']} tokens, {len(row['positions'])} positions, {row['candidate_blocks']} candidate "
               f"blocks; n-gram acceptance {acc if acc is None else f'{acc:.0%}'}, no draft at "
-              f"{row['ngram_no_draft_fraction']:.0%} of positions")
+              f"{row['ngram_no_draft_fraction']:.0%} of positions"
+              + (f"; draft model {results['draft_model']} acceptance {row['draft_model_acceptance']:.0%}"
+                 if results.get("draft_model") else ""))
         print(f"  {'predictor':<30}" + "".join(f"{c:>20}" for c in cols) + f"{'min/pos (exact nt)':>20}")
-        for pred in PREDICTORS:
+        for pred in predictors_of(results):
             cells = "".join(f"{row['recall_mean'][f'{c}/{pred}']:>20.2%}" for c in cols)
             worst = row["recall_min_over_positions"][f"exact/next_token/{pred}"]
             print(f"  {pred:<30}{cells}{worst:>20.2%}")
@@ -466,16 +520,17 @@ def print_table(results: dict) -> None:
 def _plot(results: dict, axes) -> None:
     ax_layers, ax_bars = axes
     last = results["contexts"][-1]
-    colors = distinct_colors(len(PREDICTORS))
-    for pred, color in zip(PREDICTORS, colors):
+    predictors = predictors_of(results)
+    colors = distinct_colors(len(predictors))
+    for pred, color in zip(predictors, colors):
         values = last["recall_per_layer"][f"exact/next_token/{pred}"]
         ax_layers.plot(range(len(values)), values, marker=".", label=pred, color=color)
     ax_layers.set_title(f"per layer, context {last['context']} (exact, next token)")
     ax_layers.set_xlabel("layer")
     ax_layers.set_ylabel("recall of true top-K")
     ax_layers.legend(fontsize=7)
-    width, positions = grouped_bar_positions(len(PREDICTORS), len(results["contexts"]))
-    for i, (pred, xs, color) in enumerate(zip(PREDICTORS, positions, colors)):
+    width, positions = grouped_bar_positions(len(predictors), len(results["contexts"]))
+    for i, (pred, xs, color) in enumerate(zip(predictors, positions, colors)):
         ax_bars.bar(xs, [r["recall_mean"][f"exact/next_token/{pred}"] for r in results["contexts"]], width, label=pred,
                     color=color)
         ax_bars.scatter(xs, [r["recall_mean"][f"mass/next_token/{pred}"] for r in results["contexts"]], marker="_",
