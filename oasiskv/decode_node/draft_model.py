@@ -11,6 +11,11 @@ would be evicted before the catch-up ends. Running them would be a second prefil
 prompt on the decode node (8 requests of 8K tokens: minutes of the 0.5B model on a CPU). The
 kept tokens' K/V then come from a cold start (they see the sinks and each other, not what came
 before them), which can only cost acceptance: verification keeps the output exact.
+
+Nor does a new request's catch-up stall the batch: each call feeds a request at most
+`max_chunk` tokens. A request still catching up gets no drafts (its step verifies one row)
+while the others draft as usual, so admitting a long prompt costs every running request at
+most one chunk of draft-model rows per step, like chunked prefill.
 """
 
 from __future__ import annotations
@@ -81,16 +86,28 @@ class DraftModelDrafter:
                 common += 1
             # Always leave the last token unfed: its row produces the first draft's logits.
             del state.fed[min(common, len(history) - 1) :]
-        # Catch up in chunks; the final chunk of every request ends at its last token.
+        # Catch up, at most max_chunk tokens a request this call; the final chunk of a request
+        # ends at its last token, whose row gives the first draft's logits.
         logits = torch.zeros((len(states), self.target_vocab_size))
-        while not all(len(s.fed) == len(h) for s, h in zip(states, histories)):
-            feeds = [self._next_feed(s, h) for s, h in zip(states, histories)]
+        allowance = [self.max_chunk] * len(states)
+        while True:
+            feeds = [self._next_feed(s, h, a) if len(s.fed) < len(h) else []
+                     for s, h, a in zip(states, histories, allowance)]
+            if not any(feeds):
+                break
             self._forward(states, feeds, logits)
+            allowance = [a - len(f) for a, f in zip(allowance, feeds)]
+        ready = [len(s.fed) == len(h) for s, h in zip(states, histories)]
+        if not any(ready):
+            return [Draft([]) for _ in states]
         tokens: list[list[int]] = [[] for _ in states]
         probs: list[list[torch.Tensor]] = [[] for _ in states]
         for step in range(k):
             next_tokens = []
             for i, (row, p, state) in enumerate(zip(logits, params, states)):
+                if not ready[i]:
+                    next_tokens.append([])
+                    continue
                 if p.greedy:
                     token = int(row.argmax())
                 else:
@@ -104,20 +121,20 @@ class DraftModelDrafter:
         # Draft tokens were fed for steps 0..k-2; they are rolled back next call if rejected.
         return [Draft(t, torch.stack(pr) if pr else None) for t, pr in zip(tokens, probs)]
 
-    def _next_feed(self, state: _DraftState, history: list[int]) -> list[int]:
-        """The next chunk to feed: at most max_chunk tokens, never one the ring would evict
-        before the history is fed (those are skipped: see the module's docstring)."""
+    def _next_feed(self, state: _DraftState, history: list[int], allowance: int) -> list[int]:
+        """The next tokens to feed: at most `allowance` (<= max_chunk), never one the ring would
+        evict before the history is fed (those are skipped: see the module's docstring)."""
         keep_from = len(history) - self.ring  # the oldest position the ring holds once all is fed
         fed = len(state.fed)
         if fed < self.sink_tokens:
-            end = self.sink_tokens if keep_from > self.sink_tokens else fed + self.max_chunk
-            return history[fed : min(end, fed + self.max_chunk)]
+            end = self.sink_tokens if keep_from > self.sink_tokens else fed + allowance
+            return history[fed : min(end, fed + allowance)]
         if fed < keep_from:
             state.fed.extend(history[fed:keep_from])
             # Whatever the ring held is older than what comes next; nothing of it may be seen.
             state.slot_positions[self.sink_tokens :] = PAD_POSITION
             fed = keep_from
-        return history[fed : fed + self.max_chunk]
+        return history[fed : fed + allowance]
 
     def _forward(self, states: list[_DraftState], feeds: list[list[int]], logits_out: torch.Tensor) -> None:
         """Feed each request's tokens (possibly none); the last fed row's logits of each fed

@@ -1,5 +1,6 @@
 """The draft model's compute stays bounded like its KV: a prompt longer than its ring is not run
-through it whole, and the tokens it skips cannot change what it proposes."""
+through it whole, the tokens it skips cannot change what it proposes, and a request catching up
+feeds at most one chunk a call while the others keep drafting."""
 
 from __future__ import annotations
 
@@ -41,13 +42,24 @@ def sampled(seed: int = 0) -> list[SamplingParams]:
     return [SamplingParams(temperature=1.0, seed=seed)]
 
 
+def propose_until_drafted(drafter, request_id: str, history: list[int], params) -> tuple[object, int]:
+    """Call propose with the same history until the request has caught up and drafts: (draft, calls)."""
+    for calls in range(1, 100):
+        draft = drafter.propose([request_id], [history], K, params)[0]
+        if draft.tokens:
+            return draft, calls
+        assert draft.probs is None
+    raise AssertionError("the drafter never caught up")
+
+
 @pytest.mark.parametrize("length", [100, 1500])
 def test_the_catch_up_runs_the_sinks_and_the_ring_only(smollm2_llm, history, length):
     drafter, rows = drafter_counting_rows(smollm2_llm)
-    drafts = drafter.propose(["r"], [history[:length]], K, [SamplingParams()])[0].tokens
-    assert len(drafts) == K
+    draft, calls = propose_until_drafted(drafter, "r", history[:length], [SamplingParams()])
+    assert len(draft.tokens) == K
     catch_up = min(length, SINKS + drafter.ring)  # a short history is fed whole, as before
     assert sum(rows) == catch_up + (K - 1)  # then one row per draft step but the last
+    assert calls == -(-catch_up // CHUNK)  # at most one chunk a call
     assert max(rows) <= CHUNK
 
 
@@ -56,19 +68,19 @@ def test_skipped_tokens_cannot_change_the_proposal(smollm2_llm, history):
     kept_from = len(history) - drafter.ring
     scrambled = history[:SINKS] + [history[SINKS + (7 * i) % 97] for i in range(kept_from - SINKS)] + history[kept_from:]
     assert scrambled != history and len(scrambled) == len(history)
-    original = drafter.propose(["original"], [history], K, sampled())[0]
-    other = drafter.propose(["scrambled"], [scrambled], K, sampled())[0]
+    original, _ = propose_until_drafted(drafter, "original", history, sampled())
+    other, _ = propose_until_drafted(drafter, "scrambled", scrambled, sampled())
     assert original.tokens == other.tokens
     torch.testing.assert_close(original.probs, other.probs, rtol=0, atol=1e-6)
     # The kept tokens do count: changing one of them changes the draft distribution.
     edited = history[:-1] + [history[-1] + 1]
-    third = drafter.propose(["edited"], [edited], K, sampled())[0]
+    third, _ = propose_until_drafted(drafter, "edited", edited, sampled())
     assert not torch.allclose(original.probs[0], third.probs[0], atol=1e-4)
 
 
 def test_after_the_catch_up_only_the_accepted_tokens_are_fed(smollm2_llm, history):
     drafter, rows = drafter_counting_rows(smollm2_llm)
-    first = drafter.propose(["r"], [history], K, [SamplingParams()])[0].tokens
+    first = propose_until_drafted(drafter, "r", history, [SamplingParams()])[0].tokens
     rows.clear()
     # The target accepted two drafts and emitted its own next token.
     grown = history + first[:2] + [history[5]]
@@ -79,6 +91,28 @@ def test_after_the_catch_up_only_the_accepted_tokens_are_fed(smollm2_llm, histor
     assert sum(rows) == 1 + (K - 1)
     drafter.release("r")
     assert not drafter.states
+
+
+def test_a_request_catching_up_does_not_hold_back_the_others(smollm2_llm, history):
+    drafter, rows = drafter_counting_rows(smollm2_llm)
+    running = history[:700]
+    propose_until_drafted(drafter, "running", running, [SamplingParams()])
+    rows.clear()
+    # A long prompt arrives: the running request keeps drafting in the same call, and the call
+    # feeds the newcomer one chunk (its sinks, then the start of its ring).
+    grown = running + [running[-10]]
+    drafts = drafter.propose(["running", "new"], [grown, history], K, [SamplingParams()] * 2)
+    assert len(drafts[0].tokens) == K and drafts[1].tokens == []
+    newcomer_rows = sum(rows) - 1 - (K - 1)  # the running request fed its new token, then K-1 draft rows
+    assert newcomer_rows == CHUNK
+    # It drafts once it has caught up, alongside the running one.
+    calls = 1
+    while not drafts[1].tokens:
+        grown = grown + [drafts[0].tokens[0]]
+        drafts = drafter.propose(["running", "new"], [grown, history], K, [SamplingParams()] * 2)
+        assert len(drafts[0].tokens) == K
+        calls += 1
+    assert calls == -(-(SINKS + drafter.ring) // CHUNK)
 
 
 def test_build_drafter_by_name(smollm2_llm):
