@@ -313,6 +313,18 @@ def accepted_prefix(drafts: list[int], truth: list[int]) -> int:
     return accepted
 
 
+def caught_up_drafts(draft_model, history: list[int], k: int) -> list[int]:
+    """The draft model's greedy drafts once it has caught up on `history` (a request catching up
+    gets none while it feeds one chunk a call, as in the decode node)."""
+    if k == 0:
+        return []
+    for _ in range(len(history) // draft_model.max_chunk + 2):
+        tokens = draft_model.propose(["bench"], [history], k, [SamplingParams()])[0].tokens
+        if tokens:
+            return tokens
+    raise RuntimeError("the draft model proposed nothing after catching up")
+
+
 def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int, window: int, drafter: NgramDrafter,
                       scale: float, sliding_window, draft_model=None) -> dict:
     ids = ctx.ids
@@ -324,7 +336,7 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
     targets = {"next_token": t + 1, "next_step": t + 1 + accepted}
     predictor_names = PREDICTORS
     if draft_model is not None:
-        drafted = draft_model.propose(["bench"], [ids[: t + 1]], k, [SamplingParams()])[0].tokens
+        drafted = caught_up_drafts(draft_model, ids[: t + 1], k)
         drafted_q, _ = ctx.verify(t, [ids[t]] + drafted)
         drafted_accepted = accepted_prefix(drafted, truth_tokens)
         targets["next_step_draft_model"] = t + 1 + drafted_accepted
@@ -506,9 +518,10 @@ def print_table(results: dict) -> None:
               f"{row['ngram_no_draft_fraction']:.0%} of positions"
               + (f"; draft model {results['draft_model']} acceptance {row['draft_model_acceptance']:.0%}"
                  if results.get("draft_model") else ""))
-        print(f"  {'predictor':<30}" + "".join(f"{c:>20}" for c in cols) + f"{'min/pos (exact nt)':>20}")
+        widths = [max(20, len(c) + 2) for c in cols]
+        print(f"  {'predictor':<30}" + "".join(f"{c:>{w}}" for c, w in zip(cols, widths)) + f"{'min/pos (exact nt)':>20}")
         for pred in predictors_of(results):
-            cells = "".join(f"{row['recall_mean'][f'{c}/{pred}']:>20.2%}" for c in cols)
+            cells = "".join(f"{row['recall_mean'][f'{c}/{pred}']:>{w}.2%}" for c, w in zip(cols, widths))
             worst = row["recall_min_over_positions"][f"exact/next_token/{pred}"]
             print(f"  {pred:<30}{cells}{worst:>20.2%}")
         look = row["recall_mean"]["exact/next_token/lookahead_perfect"]
