@@ -1,6 +1,6 @@
 """The draft model's compute stays bounded like its KV: a prompt longer than its ring is not run
 through it whole, the tokens it skips cannot change what it proposes, and a request catching up
-feeds at most one chunk a call while the others keep drafting."""
+feeds within a per-call budget while the others keep drafting."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from ..conftest import stdlib_source
 SINKS, WINDOW, CHUNK, K = 16, 128, 32, 3
 
 
-def drafter_counting_rows(llm) -> tuple[DraftModelDrafter, list[int]]:
+def drafter_counting_rows(llm, catch_up_budget: int | None = None) -> tuple[DraftModelDrafter, list[int]]:
     """A self-drafting SmolLM2 (same tokenizer, so no mismatch) and the rows of every forward it runs."""
     model, tok = llm.model, llm.tokenizer
     drafter = DraftModelDrafter(model, model.config.vocab_size, tok, tok, sink_tokens=SINKS, window_tokens=WINDOW,
-                                max_chunk=CHUNK)
+                                max_chunk=CHUNK, catch_up_budget=catch_up_budget)
     rows: list[int] = []
     forward = drafter._forward
 
@@ -52,14 +52,16 @@ def propose_until_drafted(drafter, request_id: str, history: list[int], params) 
     raise AssertionError("the drafter never caught up")
 
 
+@pytest.mark.parametrize("budget", [None, 0])
 @pytest.mark.parametrize("length", [100, 1500])
-def test_the_catch_up_runs_the_sinks_and_the_ring_only(smollm2_llm, history, length):
-    drafter, rows = drafter_counting_rows(smollm2_llm)
+def test_the_catch_up_runs_the_sinks_and_the_ring_only(smollm2_llm, history, length, budget):
+    drafter, rows = drafter_counting_rows(smollm2_llm, budget)
     draft, calls = propose_until_drafted(drafter, "r", history[:length], [SamplingParams()])
     assert len(draft.tokens) == K
     catch_up = min(length, SINKS + drafter.ring)  # a short history is fed whole, as before
     assert sum(rows) == catch_up + (K - 1)  # then one row per draft step but the last
-    assert calls == -(-catch_up // CHUNK)  # at most one chunk a call
+    # The default budget is one request's whole catch-up; without it, one chunk a call.
+    assert calls == (1 if budget is None else -(-catch_up // CHUNK))
     assert max(rows) <= CHUNK
 
 
@@ -94,7 +96,7 @@ def test_after_the_catch_up_only_the_accepted_tokens_are_fed(smollm2_llm, histor
 
 
 def test_a_request_catching_up_does_not_hold_back_the_others(smollm2_llm, history):
-    drafter, rows = drafter_counting_rows(smollm2_llm)
+    drafter, rows = drafter_counting_rows(smollm2_llm, catch_up_budget=0)
     running = history[:700]
     propose_until_drafted(drafter, "running", running, [SamplingParams()])
     rows.clear()
@@ -113,6 +115,33 @@ def test_a_request_catching_up_does_not_hold_back_the_others(smollm2_llm, histor
         assert len(drafts[0].tokens) == K
         calls += 1
     assert calls == -(-(SINKS + drafter.ring) // CHUNK)
+
+
+def test_newcomers_share_the_budget_in_order(smollm2_llm, history):
+    drafter, rows = drafter_counting_rows(smollm2_llm)
+    running = history[:700]
+    propose_until_drafted(drafter, "running", running, [SamplingParams()])
+    rows.clear()
+    catch_up = SINKS + drafter.ring
+    grown = running + [running[-10]]
+    ids, params = ["running", "first", "second"], [SamplingParams()] * 3
+    drafts = drafter.propose(ids, [grown, history, history[:1400]], K, params)
+    # The budget (one catch-up beyond the first chunk) goes first to the first newcomer, which
+    # drafts at once; the second feeds its own chunk and what is left; the running request
+    # drafts as usual.
+    assert [len(d.tokens) for d in drafts] == [K, K, 0]
+    second = CHUNK + drafter.catch_up_budget - (catch_up - CHUNK)
+    assert second < catch_up
+    assert sum(rows) == 1 + catch_up + second + 2 * (K - 1)
+    drafts = drafter.propose(ids, [grown + drafts[0].tokens[:1], history + drafts[1].tokens[:1], history[:1400]], K,
+                             params)
+    assert [len(d.tokens) for d in drafts] == [K, K, K]
+
+
+def test_a_negative_budget_is_refused(smollm2_llm):
+    model, tok = smollm2_llm.model, smollm2_llm.tokenizer
+    with pytest.raises(ValueError, match="catch_up_budget"):
+        DraftModelDrafter(model, model.config.vocab_size, tok, tok, catch_up_budget=-1)
 
 
 def test_build_drafter_by_name(smollm2_llm):
