@@ -298,7 +298,8 @@ def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], ar
                           window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)),
                           **decode_overrides(args, OVERRIDES, variant))
     # A fresh drafter per run: a draft model's per-request KV must not outlive its engine.
-    drafter = build_drafter(args.drafter, llm.model, llm.tokenizer, next(llm.model.parameters()).dtype)
+    drafter = build_drafter(args.drafter, llm.model, llm.tokenizer, next(llm.model.parameters()).dtype,
+                            config.draft_window_tokens, config.draft_catch_up_budget)
     engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=drafter)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     ids = [f"{tag}-{label}-{i}" for i in range(len(lengths))]

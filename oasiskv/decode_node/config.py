@@ -19,6 +19,16 @@ class DecodeConfig(BaseModel):
     window_blocks: int = Field(4, ge=1, description="most recent blocks, always resident (local window)")
     num_draft_tokens: int = Field(3, ge=0, le=15, description="k: drafts verified per step (0 = plain decoding)")
     drafter: str = Field("ngram", description="'ngram' (prompt lookup) or a draft model (registry name / path)")
+    draft_window_tokens: int = Field(
+        1024, ge=16, description="draft model only: besides its first 16 tokens, its KV keeps this many recent ones, "
+        "which bounds its memory and what a new request's catch-up runs. Qwen 0.5B drafting eight 8K / 16K stdlib "
+        "texts had 62.7% of drafts accepted at 1024, 58.8% at 512, 54.8% at 256",
+    )
+    draft_catch_up_budget: int | None = Field(
+        None, ge=0, description="draft model only: tokens a step may feed new requests' catch-ups beyond each one's "
+        "first chunk (256), in admission order. None: one request's whole catch-up (a request admitted alone drafts "
+        "at once); 0: one chunk per request a step (the shortest stall for the others, fewer drafts meanwhile)",
+    )
     max_replace_fraction: float = Field(
         0.05, gt=0, le=1,
         description="budget share each layer and KV head may replace per step, on average (fractions of a block carry over)",

@@ -208,9 +208,11 @@ def check_vocabularies(draft_vocab: int, target_vocab: int, draft_tokenizer=None
         raise DrafterMismatch(f"draft model vocabulary ({draft_vocab}) is smaller than the target's ({target_vocab})")
 
 
-def build_drafter(name: str, target: DecoderModel, target_tokenizer, dtype: torch.dtype):
+def build_drafter(name: str, target: DecoderModel, target_tokenizer, dtype: torch.dtype, window_tokens: int = 1024,
+                  catch_up_budget: int | None = None):
     """`DecodeConfig.drafter` as a drafter: 'ngram' (prompt lookup), or a draft model's registry
-    name or path, loaded in `dtype` on the target's device and checked against its vocabulary."""
+    name or path, loaded in `dtype` on the target's device and checked against its vocabulary
+    (with DecodeConfig's draft_window_tokens and draft_catch_up_budget)."""
     if name == "ngram":
         return NgramDrafter()
     from ..models.loader import load_model_dir
@@ -219,4 +221,5 @@ def build_drafter(name: str, target: DecoderModel, target_tokenizer, dtype: torc
 
     draft_dir = resolve_model(name, progress=False)
     draft = load_model_dir(draft_dir, dtype=dtype, device=next(target.parameters()).device)
-    return DraftModelDrafter(draft, target.config.vocab_size, load_tokenizer(draft_dir), target_tokenizer)
+    return DraftModelDrafter(draft, target.config.vocab_size, load_tokenizer(draft_dir), target_tokenizer,
+                             window_tokens=window_tokens, catch_up_budget=catch_up_budget)

@@ -64,6 +64,17 @@ def test_lookahead_layer_group_reaches_the_decode_config():
         _config("--lookahead-layer-group", "0")
 
 
+def test_draft_model_options_reach_the_decode_config():
+    decode = _config().decode
+    assert (decode.draft_window_tokens, decode.draft_catch_up_budget) == (1024, None)
+    decode = _config("--draft-window-tokens", "512", "--draft-catch-up-budget", "0").decode
+    assert (decode.draft_window_tokens, decode.draft_catch_up_budget) == (512, 0)
+    with pytest.raises(ValidationError, match="draft_window_tokens"):
+        _config("--draft-window-tokens", "0")
+    with pytest.raises(ValidationError, match="draft_catch_up_budget"):
+        _config("--draft-catch-up-budget", "-5")
+
+
 def test_summary_kind_reaches_the_cluster_config():
     assert _config().summary_kind == DEFAULT_SUMMARY_KIND == "moments"
     assert _config("--summary-kind", "minmax").summary_kind == "minmax"

@@ -241,3 +241,7 @@ def test_config_validates_early():
         DecodeConfig(prefetch_rank_fraction=0)
     with pytest.raises(ValueError, match="lookahead_layer_group"):
         DecodeConfig(lookahead_layer_group=0)
+    with pytest.raises(ValueError, match="draft_window_tokens"):
+        DecodeConfig(draft_window_tokens=8)
+    with pytest.raises(ValueError, match="draft_catch_up_budget"):
+        DecodeConfig(draft_catch_up_budget=-1)
