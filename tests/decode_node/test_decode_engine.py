@@ -193,10 +193,14 @@ def test_write_back_summarizes_as_the_prompt_was(smollm2_llm, store, prompts, ki
     assert store.stats().num_requests == 0
 
 
-def test_self_drafting_model_matches_and_is_accepted(smollm2_llm, store, prompts, reference):
+@pytest.mark.parametrize("catch_up_budget", [None, 0])
+def test_self_drafting_model_matches_and_is_accepted(smollm2_llm, store, prompts, reference, catch_up_budget):
+    """With budget 0 every request catches up one chunk a step, verifying one row meanwhile."""
     model, tok = smollm2_llm.model, smollm2_llm.tokenizer
-    drafter = DraftModelDrafter(model, model.config.vocab_size, tok, tok, window_tokens=256, max_chunk=64)
-    engine, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(kv_pool_gb=0.25), drafter=drafter, tag="-draft")
+    drafter = DraftModelDrafter(model, model.config.vocab_size, tok, tok, window_tokens=256, max_chunk=64,
+                                catch_up_budget=catch_up_budget)
+    engine, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(kv_pool_gb=0.25), drafter=drafter,
+                          tag=f"-draft{catch_up_budget}")
     assert tokens == reference
     assert engine.counters.acceptance_rate > 0.5  # the same model drafting, with a bounded window
     assert not drafter.states  # released with their requests
