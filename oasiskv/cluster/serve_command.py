@@ -76,18 +76,11 @@ def config_from_args(args: argparse.Namespace):
 
     decode = {"mode": args.mode, "kv_pool_gb": args.kv_pool_gb, "budget_tokens": args.budget_tokens,
               "num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter}
-    if args.max_replace_fraction is not None:
-        decode["max_replace_fraction"] = args.max_replace_fraction
-    if args.lookahead_topup_blocks is not None:
-        decode["lookahead_topup_blocks"] = args.lookahead_topup_blocks
-    if args.prefetch_rank_fraction is not None:
-        decode["prefetch_rank_fraction"] = args.prefetch_rank_fraction
-    if args.lookahead_layer_group is not None:
-        decode["lookahead_layer_group"] = args.lookahead_layer_group
-    if args.draft_window_tokens is not None:
-        decode["draft_window_tokens"] = args.draft_window_tokens
-    if args.draft_catch_up_budget is not None:
-        decode["draft_catch_up_budget"] = args.draft_catch_up_budget
+    # Options left unset keep DecodeConfig's defaults (the flags are named after its fields).
+    for name in ("max_replace_fraction", "lookahead_topup_blocks", "prefetch_rank_fraction", "lookahead_layer_group",
+                 "draft_window_tokens", "draft_catch_up_budget"):
+        if getattr(args, name) is not None:
+            decode[name] = getattr(args, name)
     fields = dict(model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
                   address=args.address, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                   stores=args.stores, store_capacity_gb=args.store_capacity_gb, store_port=args.store_port,
