@@ -291,15 +291,13 @@ def breakdown(t: dict) -> dict:
 
 
 # -- one mode run ---------------------------------------------------------------------------------
-def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], args, pool_gb: float, tag: str) -> dict:
+def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], args, pool_gb: float, tag: str,
+             drafter) -> dict:
     mode, variant = parse_mode(label, MODES)
     config = DecodeConfig(mode=mode, kv_pool_gb=pool_gb, budget_tokens=args.budget_tokens,
                           num_draft_tokens=args.num_draft_tokens, sink_blocks=args.sink_blocks,
                           window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)),
                           **decode_overrides(args, OVERRIDES, variant))
-    # A fresh drafter per run: a draft model's per-request KV must not outlive its engine.
-    drafter = build_drafter(args.drafter, llm.model, llm.tokenizer, next(llm.model.parameters()).dtype,
-                            config.draft_window_tokens, config.draft_catch_up_budget)
     engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=drafter)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     ids = [f"{tag}-{label}-{i}" for i in range(len(lengths))]
@@ -314,6 +312,8 @@ def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], ar
     finally:
         timers.restore()
         release_engine(engine, client)
+        for rid in ids:  # one drafter serves every run: a draft model's per-request KV must not outlive its engine
+            drafter.release(rid)
     c = engine.counters.snapshot()
     wall = timers.t["wall"]
     # Everything the store sends the decode node counts, the key summaries of the sparse modes too.
@@ -403,7 +403,9 @@ def main(argv=None) -> int:
     if max(contexts) + args.new_tokens + k + 1 > llm.max_model_len:
         parser.error(f"context + new tokens exceed {args.model}'s {llm.max_model_len} tokens")
     try:  # before the long prefill pass: a draft model that cannot serve this target fails at once
-        build_drafter(args.drafter, model, llm.tokenizer, next(model.parameters()).dtype)
+        defaults = DecodeConfig()  # the bench sets no draft-model option: every run's config has these
+        drafter = build_drafter(args.drafter, model, llm.tokenizer, next(model.parameters()).dtype,
+                                defaults.draft_window_tokens, defaults.draft_catch_up_budget)
     except (DrafterMismatch, ModelError) as error:
         parser.error(f"--drafter {args.drafter}: {error}")
     lengths = {c: [c - args.prompt_step * i for i in range(args.requests)] for c in contexts}
@@ -441,7 +443,8 @@ def main(argv=None) -> int:
                 for r in range(args.repeats):
                     for mode in modes:
                         bar.set_postfix_str(f"{context} {mode}")
-                        runs[mode].append(run_mode(llm, client, prompts, mode, lengths[context], args, pool_gb, f"c{context}r{r}"))
+                        runs[mode].append(run_mode(llm, client, prompts, mode, lengths[context], args, pool_gb, f"c{context}r{r}",
+                                                           drafter))
                         bar.update(1)
                 results["contexts"].append(summarize_context(context, lengths[context], pool_gb, runs))
         client.unregister(prompts.packed)
