@@ -469,10 +469,12 @@ def summarize(rows: list[dict], context: int) -> list[dict]:
         if sorted(i for i in tf["logprob"] if i > context) != scored:
             raise RuntimeError(f"{row['mode']} {row['budget_tokens']}: scored positions differ from dense")
         nll = -sum(tf["logprob"][i] for i in scored) / len(scored)
-        top1 = sum(tf["argmax"][i] == dense["teacher_forced"]["argmax"][i] for i in scored) / len(scored)
+        differ = [i - context for i in scored if tf["argmax"][i] != dense["teacher_forced"]["argmax"][i]]
+        top1 = 1 - len(differ) / len(scored)
         summary = {
             "mode": row["mode"], "budget_tokens": row["budget_tokens"], "summary_kind": row["summary_kind"],
             "perplexity": math.exp(nll), "scored_tokens": len(scored), "top1_agreement": top1,
+            "disagreements": differ,  # new-token indices where the argmax differs from dense's: where a run goes wrong
             "teacher_forced_seconds": tf["seconds"], "teacher_forced_counters": tf["counters"],
         }
         if "free_running" in row:
@@ -503,9 +505,10 @@ def summarize_ideal(ideal: list[dict], dense_row: dict, context: int) -> list[di
         if sorted(row["logprob"]) != scored:
             raise RuntimeError("ideal-selection positions differ from the engine's")
         ppl = math.exp(-sum(row["logprob"][i] for i in scored) / len(scored))
+        differ = [i - context for i in scored if row["argmax"][i] != tf["argmax"][i]]
         out.append({"rule": row["rule"], "budget_tokens": row["budget_tokens"], "perplexity": ppl,
-                    "perplexity_ratio": ppl / dense_ppl,
-                    "top1_agreement": sum(row["argmax"][i] == tf["argmax"][i] for i in scored) / len(scored)})
+                    "perplexity_ratio": ppl / dense_ppl, "top1_agreement": 1 - len(differ) / len(scored),
+                    "disagreements": differ})
     return out
 
 
