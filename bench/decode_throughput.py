@@ -403,9 +403,8 @@ def main(argv=None) -> int:
     if max(contexts) + args.new_tokens + k + 1 > llm.max_model_len:
         parser.error(f"context + new tokens exceed {args.model}'s {llm.max_model_len} tokens")
     try:  # before the long prefill pass: a draft model that cannot serve this target fails at once
-        defaults = DecodeConfig()  # the bench sets no draft-model option: every run's config has these
-        drafter = build_drafter(args.drafter, model, llm.tokenizer, next(model.parameters()).dtype,
-                                defaults.draft_window_tokens, defaults.draft_catch_up_budget)
+        # The bench sets no draft-model option: every run's config has the defaults.
+        drafter = build_drafter(DecodeConfig(drafter=args.drafter), model, llm.tokenizer, next(model.parameters()).dtype)
     except (DrafterMismatch, ModelError) as error:
         parser.error(f"--drafter {args.drafter}: {error}")
     lengths = {c: [c - args.prompt_step * i for i in range(args.requests)] for c in contexts}
@@ -443,8 +442,8 @@ def main(argv=None) -> int:
                 for r in range(args.repeats):
                     for mode in modes:
                         bar.set_postfix_str(f"{context} {mode}")
-                        runs[mode].append(run_mode(llm, client, prompts, mode, lengths[context], args, pool_gb, f"c{context}r{r}",
-                                                           drafter))
+                        runs[mode].append(run_mode(llm, client, prompts, mode, lengths[context], args, pool_gb,
+                                                   f"c{context}r{r}", drafter))
                         bar.update(1)
                 results["contexts"].append(summarize_context(context, lengths[context], pool_gb, runs))
         client.unregister(prompts.packed)

@@ -94,6 +94,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from oasiskv.decode_node.lookahead import recall, score_blocks, top_blocks  # noqa: E402
+from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
 from oasiskv.decode_node.draft_model import build_drafter  # noqa: E402
 from oasiskv.decode_node.speculative import DrafterMismatch, NgramDrafter  # noqa: E402
 from oasiskv.kvstore import block_scores, narrow_summaries, ranking_radius_weight, summarize_layer  # noqa: E402
@@ -473,8 +474,8 @@ def main(argv=None) -> int:
     ids = real_text_token_ids(llm, max(contexts), offset=args.offset)
     # Loaded before the long dense pass, so a draft model that cannot serve this target fails at once.
     try:
-        draft_model = (build_drafter(args.draft_model, model, llm.tokenizer, next(model.parameters()).dtype)
-                       if args.draft_model else None)
+        draft_model = (build_drafter(DecodeConfig(drafter=args.draft_model), model, llm.tokenizer,
+                                     next(model.parameters()).dtype) if args.draft_model else None)
     except (DrafterMismatch, ModelError) as error:
         parser.error(f"--draft-model {args.draft_model}: {error}")
     k = args.num_draft_tokens

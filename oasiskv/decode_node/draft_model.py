@@ -30,6 +30,7 @@ from ..models.attention import PAD_POSITION, AttentionBatch, PagedAttention
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
 from ..models.sampling import SamplingParams, make_generator, target_probs
 from ..models.transformer import DecoderModel
+from .config import DecodeConfig
 from .speculative import Draft, DrafterMismatch, NgramDrafter
 
 
@@ -208,18 +209,17 @@ def check_vocabularies(draft_vocab: int, target_vocab: int, draft_tokenizer=None
         raise DrafterMismatch(f"draft model vocabulary ({draft_vocab}) is smaller than the target's ({target_vocab})")
 
 
-def build_drafter(name: str, target: DecoderModel, target_tokenizer, dtype: torch.dtype, window_tokens: int = 1024,
-                  catch_up_budget: int | None = None):
-    """`DecodeConfig.drafter` as a drafter: 'ngram' (prompt lookup), or a draft model's registry
-    name or path, loaded in `dtype` on the target's device and checked against its vocabulary
-    (with DecodeConfig's draft_window_tokens and draft_catch_up_budget)."""
-    if name == "ngram":
+def build_drafter(config: DecodeConfig, target: DecoderModel, target_tokenizer, dtype: torch.dtype):
+    """`config.drafter` as a drafter: 'ngram' (prompt lookup), or a draft model's registry name or
+    path, loaded in `dtype` on the target's device, checked against its vocabulary and shaped by
+    the config's draft_window_tokens and draft_catch_up_budget."""
+    if config.drafter == "ngram":
         return NgramDrafter()
     from ..models.loader import load_model_dir
     from ..models.pull import resolve_model
     from ..models.tokenizer import load_tokenizer
 
-    draft_dir = resolve_model(name, progress=False)
+    draft_dir = resolve_model(config.drafter, progress=False)
     draft = load_model_dir(draft_dir, dtype=dtype, device=next(target.parameters()).device)
     return DraftModelDrafter(draft, target.config.vocab_size, load_tokenizer(draft_dir), target_tokenizer,
-                             window_tokens=window_tokens, catch_up_budget=catch_up_budget)
+                             window_tokens=config.draft_window_tokens, catch_up_budget=config.draft_catch_up_budget)

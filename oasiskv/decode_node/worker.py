@@ -41,8 +41,7 @@ class DecodeWorker:
         self.model = load_model_dir(model_dir, dtype=torch_dtype, device=self.config.device)
         self.tokenizer = load_tokenizer(model_dir)
         self.stores = StoreDirectory(transport)
-        drafter = build_drafter(self.config.drafter, self.model, self.tokenizer, torch_dtype,
-                                self.config.draft_window_tokens, self.config.draft_catch_up_budget)
+        drafter = build_drafter(self.config, self.model, self.tokenizer, torch_dtype)
         self.engine = DecodeEngine(self.model, self.tokenizer, self.stores, self.config, drafter=drafter)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

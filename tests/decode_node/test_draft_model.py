@@ -147,12 +147,11 @@ def test_a_negative_budget_is_refused(smollm2_llm):
 
 def test_build_drafter_by_name(smollm2_llm, smollm2_dir):
     model, tok = smollm2_llm.model, smollm2_llm.tokenizer
-    assert isinstance(build_drafter("ngram", model, tok, torch.float32), NgramDrafter)
+    assert isinstance(build_drafter(DecodeConfig(drafter="ngram"), model, tok, torch.float32), NgramDrafter)
     config = DecodeConfig(drafter=str(smollm2_dir), draft_window_tokens=64, draft_catch_up_budget=0)
-    drafter = build_drafter(config.drafter, model, tok, torch.bfloat16, config.draft_window_tokens,
-                            config.draft_catch_up_budget)
+    drafter = build_drafter(config, model, tok, torch.bfloat16)
     assert isinstance(drafter, DraftModelDrafter)
     assert drafter.ring == 64 + drafter.max_chunk and drafter.catch_up_budget == 0
     assert next(drafter.model.parameters()).dtype == torch.bfloat16
     with pytest.raises(UnknownModelError):
-        build_drafter("no-such-draft-model", model, tok, torch.float32)
+        build_drafter(DecodeConfig(drafter="no-such-draft-model"), model, tok, torch.float32)
