@@ -26,7 +26,7 @@ from .attention import SparseAttention, StepRequest
 from .config import DecodeConfig
 from .counters import DecodeCounters
 from .io_thread import IOThreadClient
-from .lookahead import plan_replacements
+from .lookahead import PlanRequest, plan_replacements_many
 from .speculative import Draft, Drafter, NgramDrafter, verify
 from .working_set import DevicePool, RowPlan, WorkingSet, plan_rows
 
@@ -162,13 +162,16 @@ class DecodeEngine:
             req.first_step_mode = "sparse-current"
         if plan.budget and req.initial_selection.numel():
             window_start = ws.window_blocks(tail).start
+            wanted_by_layer = []
             for layer in range(layout.num_layers):
                 # Keep the prediction's candidates that are not resident anyway (sinks, window);
                 # heads may keep different numbers, so all are cut to the shortest.
                 per_head = [w[(w >= plan.sinks) & (w < window_start)][: plan.budget] for w in req.initial_selection[layer]]
                 width = min(len(w) for w in per_head)
-                wanted = torch.stack([w[:width] for w in per_head])
-                fetch = plan_replacements(ws, layer, wanted, 0, None)
+                wanted_by_layer.append(torch.stack([w[:width] for w in per_head]))
+            fetches = plan_replacements_many(0, [PlanRequest(ws, layer, wanted, None)
+                                                 for layer, wanted in enumerate(wanted_by_layer)])
+            for layer, fetch in enumerate(fetches):
                 layers.append(np.full(len(fetch), layer))
                 heads.append(fetch.heads)
                 blocks.append(fetch.blocks)
