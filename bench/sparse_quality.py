@@ -37,9 +37,16 @@ the real `DecodeEngine` (working set, selection, prefetch, replacement cap, writ
    group, no softmax) and `bound` (the upper bound itself); and what a richer summary would buy:
    `sketch1` / `sketch2`, the row's attention over keys rebuilt from the min/max box plus 1 or 2
    bits per key element (`bench.lookahead_accuracy.sketch_keys`). `dense` (keep every block) through
-   the same backend checks it against the engine's dense perplexity. Engine vs `ranking` = what
-   the prediction and the per-step replacement cap cost; `ranking` vs `exact` = what the
-   summaries cost; `exact` vs dense = what the budget costs.
+   the same backend checks it against the engine's dense perplexity. The default rules are
+   `exact` and the node's ranking over the runs' first summary kind (`moments` for the default
+   mean +- std, `ranking` for min/max). Engine vs that ranking = what the prediction, one set
+   shared by a step's rows and the per-step replacement cap cost; the ranking vs `exact` = what
+   the summaries cost; `exact` vs dense = what the budget costs.
+
+4. Diagnostic, `--attention-mass`: per layer and KV head, how much of each row's exact
+   attention (one dense forward more) the blocks a run held when the row attended cover,
+   against the most its own top-K could (`bench.attention_mass`), for every sparse run and
+   ideal rule: where a run's agreement goes.
 
 `--summary-kinds minmax,moments` prefills the prompt once per summary kind (`KVLayout.summary_kind`)
 and runs every sparse mode and budget with each, side by side against the same dense run.
@@ -82,6 +89,7 @@ import oasiskv.decode_node.engine as engine_module  # noqa: E402
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
 from oasiskv.decode_node.engine import DecodeEngine  # noqa: E402
 from oasiskv.decode_node.speculative import Draft, NgramDrafter  # noqa: E402
+from oasiskv.decode_node.working_set import EMPTY  # noqa: E402
 from oasiskv.kvstore import (  # noqa: E402
     DEFAULT_SUMMARY_KIND,
     SUMMARY_KINDS,
@@ -96,6 +104,7 @@ from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import Prefiller  # noqa: E402
 
+from bench.attention_mass import ResidentSets, block_mass, mass_by_head, summarize_mass  # noqa: E402
 from bench.common import decode_overrides, parse_mode, real_text_token_ids, write_results  # noqa: E402
 from bench.lookahead_accuracy import LINEAR_RADIUS_WEIGHT, load_llm, sketch_keys  # noqa: E402
 
@@ -176,6 +185,8 @@ class IdealSelection:
         self.cache, self.scale, self.rule = cache, scale, rule
         self.budget_blocks, self.sinks, self.window = budget_blocks, sinks, window
         self.positions: torch.Tensor | None = None
+        self.mass: dict[int, torch.Tensor] | None = None  # when a dict: each layer's attention per block
+        self.selected: ResidentSets | None = None  # when given: each row's chosen blocks, as the engine's are recorded
 
     def attend(self, layer, q, k, v):
         bs = self.cache.block_size
@@ -223,17 +234,27 @@ class IdealSelection:
             top = torch.topk(score, min(self.budget_blocks, num_blocks), dim=-1)
             keep = torch.zeros_like(score, dtype=torch.bool)
             keep.scatter_(-1, top.indices, torch.isfinite(top.values))
+            if self.selected is not None:
+                chosen = top.indices.masked_fill(~torch.isfinite(top.values), EMPTY)  # [kv_heads, rows, K]
+                for r, position in enumerate(positions.tolist()):
+                    self.selected.blocks[(layer, position)] = chosen[:, r]
             keep |= ~candidate[None]  # sinks and the window (blocks past the row: causality hides them)
             keep = keep.repeat_interleave(bs, dim=-1)[..., :end]  # [kv_heads, rows, L]
             logits = logits.masked_fill(~keep[:, :, None, :], float("-inf"))
-        out = torch.matmul(torch.softmax(logits, dim=-1), values[:, None])  # [kv_heads, rows, group, d]
+        probs = torch.softmax(logits, dim=-1)
+        if self.mass is not None:
+            self.mass[layer] = block_mass(probs, bs)
+        out = torch.matmul(probs, values[:, None])  # [kv_heads, rows, group, d]
         return out.transpose(0, 1).reshape(rows, heads, d).to(q.dtype)
 
 
 @torch.inference_mode()
 def ideal_selection(llm, stored: StoredPrompt, full: list[int], context: int, new_tokens: int, rule: str,
-                    budget_blocks: int, sinks: int, window: int) -> tuple[dict, dict]:
-    """Teacher-forced log-probs and argmaxes of tokens context+1 .. context+new_tokens."""
+                    budget_blocks: int, sinks: int, window: int, mass: dict[int, torch.Tensor] | None = None,
+                    selected: ResidentSets | None = None) -> tuple[dict, dict]:
+    """Teacher-forced log-probs and argmaxes of tokens context+1 .. context+new_tokens; `mass`
+    (a dict, with rule "dense") receives each layer's attention per block ([kv_heads, rows, blocks]),
+    `selected` (another rule) the blocks each row chose."""
     model = llm.model
     c = model.config
     layout = stored.result.layout
@@ -247,6 +268,7 @@ def ideal_selection(llm, stored: StoredPrompt, full: list[int], context: int, ne
         cache.v[layer][:, :context] = kv[:, :, 1].transpose(0, 1).reshape(c.num_kv_heads, -1, c.head_dim)[:, :context]
     backend = IdealSelection(cache, c.softmax_scale, rule, budget_blocks, sinks, window)
     backend.positions = torch.arange(context, total)
+    backend.mass, backend.selected = mass, selected
     hidden = model(torch.tensor(full[context:total]), backend.positions, backend)
     logprobs = torch.log_softmax(model.compute_logits(hidden), dim=-1)
     targets = torch.tensor(full[context + 1 : total + 1])
@@ -324,16 +346,21 @@ def main(argv=None) -> int:
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--skip-free-running", action="store_true", help="teacher-forced pass only")
     parser.add_argument("--skip-ideal", action="store_true", help="skip the ideal-selection diagnostic")
-    parser.add_argument("--ideal-rules", default="ranking,exact",
-                        help=f"ideal-selection rules, comma-separated, of {','.join(IDEAL_RULES)}")
+    parser.add_argument("--ideal-rules", default=None,
+                        help=f"ideal-selection rules, comma-separated, of {','.join(IDEAL_RULES)} (default: the node's "
+                        "ranking over the first summary kind, moments or ranking (min/max), and exact)")
     parser.add_argument("--summary-kinds", default=DEFAULT_SUMMARY_KIND,
                         help=f"key summary kinds to run the sparse modes with, comma-separated, of {','.join(SUMMARY_KINDS)}")
+    parser.add_argument("--attention-mass", action="store_true",
+                        help="per layer and KV head, the attention each sparse run held against the most any top-K "
+                        "could (bench.attention_mass; one dense forward more per text)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))
     args = parser.parse_args(argv)
     kinds = args.summary_kinds.split(",")
     if set(kinds) - set(SUMMARY_KINDS):
         parser.error(f"--summary-kinds: unknown {sorted(set(kinds) - set(SUMMARY_KINDS))}; choose from {', '.join(SUMMARY_KINDS)}")
+    args.ideal_rules = args.ideal_rules or f"{'moments' if kinds[0] == 'moments' else 'ranking'},exact"
     unknown = set(args.ideal_rules.split(",")) - set(IDEAL_RULES)
     if unknown:
         parser.error(f"--ideal-rules: unknown {sorted(unknown)}; choose from {', '.join(IDEAL_RULES)}")
@@ -403,11 +430,15 @@ def run_text(llm, args, offset: int, kinds: list[str], modes: list[str], budgets
             row = {"mode": label, "budget_tokens": budget, "summary_kind": kind}
             bar.set_postfix_str(f"{tag} teacher-forced")
             forcing = TeacherForcing(full)
-            with forcing.patched():
+            resident = ResidentSets()
+            recording = resident.recording() if args.attention_mass and mode != "dense" else contextlib.nullcontext()
+            with forcing.patched(), recording:
                 _, counters, seconds = run_engine(llm, client, stored, config, greedy, f"tf-{tag}", drafter=forcing,
                                                   first_token=full[args.context])
             row["teacher_forced"] = {"logprob": forcing.logprob, "argmax": forcing.argmax, "counters": counters,
                                      "seconds": seconds}
+            if resident.blocks:
+                row["resident"] = resident
             bar.update(1)
             if not args.skip_free_running:
                 bar.set_postfix_str(f"{tag} free-running")
@@ -417,14 +448,34 @@ def run_text(llm, args, offset: int, kinds: list[str], modes: list[str], budgets
                 bar.update(1)
             rows.append(row)
 
+    # The dense forward of the ideal diagnostic gives the attention every run's blocks are held against.
+    mass = {} if args.attention_mass else None
+    positions = torch.arange(args.context, args.context + args.new_tokens)
+    stored = stored_by_kind[kinds[0]]
+
+    def held(selected: ResidentSets, budget: int | None) -> dict:
+        by_head = mass_by_head(mass, positions, selected, layout.block_size, args.sink_blocks, args.window_blocks,
+                               (budget or 2048) // layout.block_size)
+        return {**summarize_mass(by_head), "by_head": by_head}
+
     ideal = []
+    if mass is not None or not args.skip_ideal:
+        logprob, argmax = ideal_selection(llm, stored, full, args.context, args.new_tokens, "dense", 1,
+                                          args.sink_blocks, args.window_blocks, mass=mass)
+        if not args.skip_ideal:
+            ideal.append({"rule": "dense", "budget_tokens": None, "logprob": logprob, "argmax": argmax})
+    for row in rows:
+        if "resident" in row:
+            row["attention_mass"] = held(row.pop("resident"), row["budget_tokens"])
     if not args.skip_ideal:
-        stored = stored_by_kind[kinds[0]]
-        rules = [("dense", None)] + [(rule, b) for rule in args.ideal_rules.split(",") for b in budgets]
+        rules = [(rule, b) for rule in args.ideal_rules.split(",") for b in budgets]
         for rule, budget in tqdm(rules, desc="ideal selection (diagnostic)"):
-            logprob, argmax = ideal_selection(llm, stored, full, args.context, args.new_tokens, rule, (budget or 16) // 16,
-                                              args.sink_blocks, args.window_blocks)
+            selected = ResidentSets() if mass is not None else None
+            logprob, argmax = ideal_selection(llm, stored, full, args.context, args.new_tokens, rule, budget // 16,
+                                              args.sink_blocks, args.window_blocks, selected=selected)
             ideal.append({"rule": rule, "budget_tokens": budget, "logprob": logprob, "argmax": argmax})
+            if selected is not None:
+                ideal[-1]["attention_mass"] = held(selected, budget)
     return {"offset": offset, "prefill_s": prefill_s, "runs": summarize(rows, args.context),
             "ideal_selection": summarize_ideal(ideal, rows[0], args.context)}
 
@@ -449,6 +500,10 @@ def pool_texts(texts: list[dict], key: tuple[str, ...], field: str = "runs") -> 
             "per_text_top1_agreement": [r["top1_agreement"] for r in rows],
             "per_text_perplexity_ratio": [r["perplexity_ratio"] for r in rows],
         })
+        if all("attention_mass" in r for r in rows):  # every text's rows weigh the same
+            by_head = {name: np.mean([r["attention_mass"]["by_head"][name] for r in rows], axis=0).tolist()
+                       for name in ("window", "ideal", "resident")}
+            pooled[-1]["attention_mass"] = summarize_mass(by_head)
     return pooled
 
 
@@ -477,6 +532,8 @@ def summarize(rows: list[dict], context: int) -> list[dict]:
             "disagreements": differ,  # new-token indices where the argmax differs from dense's: where a run goes wrong
             "teacher_forced_seconds": tf["seconds"], "teacher_forced_counters": tf["counters"],
         }
+        if "attention_mass" in row:
+            summary["attention_mass"] = row["attention_mass"]
         if "free_running" in row:
             fr, ref = row["free_running"]["tokens"], dense["free_running"]["tokens"]
             prefix = next((i for i, (a, b) in enumerate(zip(fr, ref)) if a != b), min(len(fr), len(ref)))
@@ -509,6 +566,8 @@ def summarize_ideal(ideal: list[dict], dense_row: dict, context: int) -> list[di
         out.append({"rule": row["rule"], "budget_tokens": row["budget_tokens"], "perplexity": ppl,
                     "perplexity_ratio": ppl / dense_ppl, "top1_agreement": 1 - len(differ) / len(scored),
                     "disagreements": differ})
+        if "attention_mass" in row:
+            out[-1]["attention_mass"] = row["attention_mass"]
     return out
 
 
@@ -524,6 +583,11 @@ def print_table(results: dict) -> None:
             per_text = ", ".join(f"{a:.1%} / {p:.3f}" for a, p in zip(r["per_text_top1_agreement"], r["per_text_perplexity_ratio"]))
             print(f"{run_label(r, results):<26}{str(r['budget_tokens'] or '-'):>7}{r['top1_agreement']:>11.2%}"
                   f"{r['perplexity_ratio']:>10.4f}   {per_text}")
+    massed = [(run_label(r, results), r) for r in pooled if "attention_mass" in r]
+    massed += [(f"ideal: {r['rule']}", r) for r in results.get("pooled_ideal_selection") or [] if "attention_mass" in r]
+    if len(results["texts"]) > 1 and massed:
+        print("\nattention held, pooled (mean over texts, rows, layers and KV heads; worst: per layer and KV head)")
+        print_mass(massed)
     goal = results["goal"]
     for r in pooled:
         if r["budget_tokens"] == goal["budget_tokens"]:
@@ -550,6 +614,12 @@ def print_text(results: dict, text: dict) -> None:
               f"{_pct(rec):>8}{fetched:>11.1f}{_pct(acc):>8}")
     print("(recall = the engine's prediction_recall counter, teacher-forced pass; MB fetched and acceptance: "
           "free-running pass)")
+    massed = [(run_label(r, results), r) for r in runs if "attention_mass" in r]
+    massed += [(f"ideal: {r['rule']}", r) for r in text.get("ideal_selection") or [] if "attention_mass" in r]
+    if massed:
+        print("\nattention held (teacher-forced, dense forward's exact attention, mean over rows, layers and KV heads): "
+              "the row's own top-K of the non-window blocks could hold `ideal`; the run missed `missed` of it")
+        print_mass(massed)
     ideal = text.get("ideal_selection") or []
     if ideal:
         print("\nideal selection (diagnostic, no engine): every row attends to sinks + window + its own top-K blocks")
@@ -560,6 +630,14 @@ def print_text(results: dict, text: dict) -> None:
             b = r["budget_tokens"]
             extra = "" if b is None else f"   {engine.get(('lookahead', b), float('nan')):.4f} / {engine.get(('sparse-current', b), float('nan')):.4f}"
             print(f"{r['rule']:<8}{str(b or '-'):>7}{r['top1_agreement']:>11.2%}{r['perplexity']:>9.4f}{r['perplexity_ratio']:>10.4f}{extra}")
+
+
+def print_mass(massed: list[tuple[str, dict]]) -> None:
+    for label, r in massed:
+        m = r["attention_mass"]
+        worst = ", ".join(f"L{p['layer']}h{p['kv_head']} {p['missed']:.3f}/{p['ideal']:.3f}" for p in m["worst"])
+        print(f"{label:<26}{str(r['budget_tokens']):>7}  ideal {m['ideal_mean']:.3f}  "
+              f"missed {m['missed_mean']:.3f}  worst (missed/ideal): {worst}")
 
 
 def run_label(run: dict, results: dict) -> str:
