@@ -65,6 +65,19 @@ def block_mass(probs: torch.Tensor, block_size: int) -> torch.Tensor:
     return mass.view(kv_heads, rows, blocks, block_size).sum(-1)
 
 
+def selectable_blocks(positions: torch.Tensor, num_blocks: int, block_size: int, sinks: int,
+                      window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row at `positions`: which of `num_blocks` blocks a selection chooses among (after the
+    sinks, before the row's window) and which are held anyway (the sinks, the window up to the
+    row's own block); both [rows, blocks]."""
+    ids = torch.arange(num_blocks)[None]
+    tails = (positions // block_size)[:, None]
+    window_start = (tails - window + 1).clamp(min=sinks)
+    candidate = (ids >= sinks) & (ids < window_start)
+    always = (ids < sinks) | ((ids >= window_start) & (ids <= tails))
+    return candidate, always
+
+
 def mass_by_head(mass: dict[int, torch.Tensor], positions: torch.Tensor, resident: ResidentSets, block_size: int,
                  sinks: int, window: int, budget_blocks: int) -> dict:
     """mass: per layer, [kv_heads, rows, blocks] of the dense forward whose rows sit at
@@ -72,15 +85,11 @@ def mass_by_head(mass: dict[int, torch.Tensor], positions: torch.Tensor, residen
     (layer, KV head) means over the rows: window, ideal, resident (lists [layers][kv_heads]),
     and how many rows were averaged."""
     out = {"window": [], "ideal": [], "resident": []}
-    tails = positions // block_size
-    window_start = (tails - window + 1).clamp(min=sinks)
     rows_seen = 0
     for layer in sorted(mass):
         m = mass[layer]
         kv_heads, _, num_blocks = m.shape
-        ids = torch.arange(num_blocks)
-        candidate = (ids[None] >= sinks) & (ids[None] < window_start[:, None])  # [rows, blocks]
-        always = (ids[None] < sinks) | ((ids[None] >= window_start[:, None]) & (ids[None] <= tails[:, None]))
+        candidate, always = selectable_blocks(positions, num_blocks, block_size, sinks, window)
         held = torch.zeros_like(m, dtype=torch.bool)
         seen = torch.zeros(len(positions), dtype=torch.bool)
         for r, position in enumerate(positions.tolist()):

@@ -104,7 +104,7 @@ from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import Prefiller  # noqa: E402
 
-from bench.attention_mass import ResidentSets, block_mass, mass_by_head, summarize_mass  # noqa: E402
+from bench.attention_mass import ResidentSets, block_mass, mass_by_head, selectable_blocks, summarize_mass  # noqa: E402
 from bench.common import decode_overrides, parse_mode, real_text_token_ids, write_results  # noqa: E402
 from bench.lookahead_accuracy import LINEAR_RADIUS_WEIGHT, load_llm, sketch_keys  # noqa: E402
 
@@ -204,9 +204,7 @@ class IdealSelection:
         logits = logits.masked_fill(~causal[None, :, None, :], float("-inf"))
         if self.rule != "dense":
             num_blocks = -(-end // bs)
-            block_ids = torch.arange(num_blocks)
-            window_start = (positions // bs - self.window + 1).clamp(min=self.sinks)  # [rows]
-            candidate = (block_ids[None] >= self.sinks) & (block_ids[None] < window_start[:, None])  # [rows, blocks]
+            candidate, _ = selectable_blocks(positions, num_blocks, bs, self.sinks, self.window)  # [rows, blocks]
             if self.rule == "exact":
                 mass = torch.softmax(logits, dim=-1).sum(dim=2)  # [kv_heads, rows, L]
                 mass = torch.nn.functional.pad(mass, (0, num_blocks * bs - end))
