@@ -25,7 +25,9 @@ Measured per mode (the decode engine's own counters plus timers around its parts
 - bytes moved from the store per token and per request: admission (the whole KV for `dense`,
   the first working set and every block's key summary for the sparse modes) +
   prefetch/on-demand fetches during decode;
-- decode-node KV memory: peak of pool rows in use x row_bytes (and the pool size);
+- decode-node KV memory: peak of pool rows in use x row_bytes (and the pool size); in the sparse
+  modes the rows include each request's key-summary pages (`peak_summary_rows` of them at the
+  peak of summary pages in use);
 - draft acceptance rate (k drafts from --drafter: the n-gram drafter by default, or a draft model
   such as qwen2.5-coder-0.5b for the 1.5B target, the same for every mode), prediction recall
   (sparse modes);
@@ -173,6 +175,7 @@ class Timers:
     def __init__(self, engine: DecodeEngine):
         self.t = {}
         self.peak_rows = 0
+        self.peak_summary_rows = 0
         self.request_steps = 0  # sum over steps of the requests in the step
         self._selecting = False
         self.engine = engine
@@ -266,6 +269,7 @@ class Timers:
                 if out.finished:
                     final[out.request_id] = out
             self.peak_rows = max(self.peak_rows, engine.pool.rows_used)
+            self.peak_summary_rows = max(self.peak_summary_rows, sum(r.plan.summary_pages for r in engine.running))
         self.t["wall"] = time.perf_counter() - started
         return final
 
@@ -332,6 +336,7 @@ def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], ar
         "pool_rows": engine.pool.num_rows, "row_bytes": engine.pool.row_bytes,
         "pool_bytes": engine.pool.num_rows * engine.pool.row_bytes,
         "peak_rows_used": timers.peak_rows, "peak_kv_bytes": timers.peak_rows * engine.pool.row_bytes,
+        "peak_summary_rows": timers.peak_summary_rows,
         "acceptance_rate": c["acceptance_rate"], "prediction_recall": c["prediction_recall"],
         "prefetch_hits": c["prefetch_hits"], "prefetch_misses": c["prefetch_misses"],
         "breakdown_s": breakdown(timers.t), "timers_s": timers.t, "counters": c,

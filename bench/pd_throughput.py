@@ -66,6 +66,7 @@ from bench.common import latency_summary, stdlib_text, write_results  # noqa: E4
 from oasiskv.cluster.config import ServeConfig  # noqa: E402
 from oasiskv.cluster.server import BackgroundServer  # noqa: E402
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
+from oasiskv.decode_node.working_set import plan_rows  # noqa: E402
 from oasiskv.models.config import ModelConfig  # noqa: E402
 from oasiskv.models.pull import resolve_model  # noqa: E402
 from oasiskv.models.tokenizer import load_tokenizer  # noqa: E402
@@ -79,6 +80,7 @@ MIB = 2**20
 class Geometry:
     def __init__(self, model_config: ModelConfig, dtype: str, block_size: int):
         itemsize = 4 if dtype == "float32" else 2
+        self.itemsize = itemsize
         self.block_size = block_size
         self.unit_bytes = 2 * block_size * model_config.head_dim * itemsize  # K and V of one block, layer, head
         self.row_bytes = model_config.num_layers * model_config.num_kv_heads * self.unit_bytes  # DevicePool.row_bytes
@@ -89,10 +91,7 @@ class Geometry:
 
     def rows(self, decode: DecodeConfig, prompt_tokens: int, max_tokens: int) -> int:
         """ClusterService.rows_needed / DecodeEngine.row_plan for decode.mode."""
-        bs = self.block_size
-        if decode.mode == "dense":
-            return -(-(prompt_tokens + max_tokens + decode.num_draft_tokens + 1) // bs) + 1
-        return decode.sink_blocks + decode.window_blocks + 1 + decode.budget_tokens // bs
+        return plan_rows(decode, prompt_tokens, max_tokens, kv_itemsize=self.itemsize).total
 
     def store_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
         return (prompt_tokens + max_tokens + self.block_size) * self.store_bytes_per_token

@@ -34,6 +34,7 @@ from ..models.attention import (
 )
 from .counters import DecodeCounters
 from .lookahead import PlanRequest, Selection, plan_replacements_many, recall, replacement_cap, select_blocks_batched
+from .summary_pages import PagedLayer, SummaryPages
 from .triton_attention import sparse_paged_attention
 from .working_set import EMPTY, DevicePool, WorkingSet
 
@@ -43,7 +44,7 @@ class StepRequest:
     """What the backend needs of one request for one step."""
 
     ws: WorkingSet
-    summaries: torch.Tensor  # [layers, kv_heads, blocks, 2, d] of complete blocks in the store
+    summaries: SummaryPages  # of the blocks in the store
     positions: torch.Tensor  # [rows] positions of this step's rows (row 0: last accepted token)
     num_drafts: int
     mode: str
@@ -112,6 +113,7 @@ class SparseAttention:
         self._deferred_recall: list[tuple[int, StepRequest, torch.Tensor, torch.Tensor]] = []
         self.requests: list[StepRequest] = []
         self.attention_buffers = AttentionBuffers()
+        self._summary_scratch: dict = {}  # SummaryPages.candidates' reused buffers
         self.batch: AttentionBatch | None = None
         self.step_index = 0
 
@@ -136,7 +138,7 @@ class SparseAttention:
         # Query layout only: keys are gathered per layer from each working set.
         dummy = [torch.zeros(1, dtype=torch.long) for _ in requests]
         self.batch = AttentionBatch.from_key_lists([r.positions for r in requests], dummy, dummy, torch.empty(0))
-        rows = [r.ws.rows for r in requests]
+        rows = [r.ws.kv_rows for r in requests]
         width = max(len(r) for r in rows)
         self._rows = torch.stack([torch.cat((r, r.new_zeros(width - len(r)))) for r in rows])
         self._write_units, self._write_offsets = self._write_targets(requests)
@@ -245,7 +247,7 @@ class SparseAttention:
         """Complete blocks that are neither sinks nor in the window: first..end-1."""
         tail = int(req.positions[0]) // self.pool.layout.block_size
         window_start = req.ws.window_blocks(tail).start
-        return req.ws.plan.sinks, min(window_start, req.summaries.shape[2])
+        return req.ws.plan.sinks, min(window_start, req.summaries.num_blocks)
 
     def _top_blocks(self, work: list[tuple[int, StepRequest, torch.Tensor]]) -> list[np.ndarray]:
         """Each (layer, request, query rows)'s top-K blocks of that layer ([kv_heads, k'] on the
@@ -254,7 +256,8 @@ class SparseAttention:
         for layer, req, query in work:
             first, end = self._candidate_range(req)
             budget = min(req.budget_blocks, req.ws.plan.budget)
-            selections.append(Selection(query, req.summaries[layer], first, end, budget, req.radius_weight))
+            selections.append(Selection(query, PagedLayer(req.summaries, layer, self._summary_scratch), first, end,
+                                        budget, req.radius_weight))
         return select_blocks_batched(selections, self.scale)
 
     def _select_and_fetch(self, batches: list[tuple[int, list[tuple[StepRequest, torch.Tensor]]]], wait: bool,

@@ -56,8 +56,9 @@ class DecodeConfig(BaseModel):
         "None: the weight measured for the request's summary kind (kvstore.RANKING_RADIUS_WEIGHTS)",
     )
     summary_read_dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16", description="key summaries are read from the store in this dtype; bfloat16 moves half the bytes "
-        "(the store rounds min down and max up, so scores stay bounds) and is widened to float32 on arrival",
+        "bfloat16", description="key summaries are read from the store, and held in the pool's summary pages, in this "
+        "dtype; bfloat16 moves and holds half the bytes (the store rounds min down and max up, so scores stay "
+        "bounds); ranking widens one layer's candidates at a time to float32",
     )
     recall_sample_steps: int = Field(
         8, ge=1, description="the prediction-recall counter scores the current query every Nth step (it cost 13% of a step)"

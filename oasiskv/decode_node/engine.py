@@ -28,6 +28,7 @@ from .counters import DecodeCounters
 from .io_thread import IOThreadClient
 from .lookahead import PlanRequest, plan_replacements_many
 from .speculative import Draft, Drafter, NgramDrafter, verify
+from .summary_pages import SummaryPages
 from .working_set import DevicePool, RowPlan, WorkingSet, plan_rows
 
 
@@ -40,7 +41,7 @@ class DecodeRequest:
     initial_selection: torch.Tensor
     num_kv: int = 0  # tokens whose K/V are in the working set / store
     ws: WorkingSet | None = None
-    summaries: torch.Tensor | None = None
+    summaries: SummaryPages | None = None
     generator: torch.Generator | None = None
     text: str = ""
     finish_reason: str | None = None
@@ -79,7 +80,8 @@ class DecodeEngine:
         self.tokenizer = tokenizer
         self.client = IOThreadClient(client, self.config.fetch_timeout_s)
         self.layout = kv_layout_for(model, self.config.block_size)
-        self.pool = DevicePool(self.layout, int(self.config.kv_pool_gb * 2**30), self.config.device)
+        self.pool = DevicePool(self.layout, int(self.config.kv_pool_gb * 2**30), self.config.device,
+                               getattr(torch, self.config.summary_read_dtype))
         self.client.register(self.pool.tensor)
         self.counters = DecodeCounters()
         mc = model.config
@@ -98,7 +100,7 @@ class DecodeEngine:
     # -- admission -----------------------------------------------------------------------
     def row_plan(self, prompt_tokens: int, max_tokens: int, mode: str | None = None,
                  budget_tokens: int | None = None) -> RowPlan:
-        return plan_rows(self.config, prompt_tokens, max_tokens, mode, budget_tokens)
+        return plan_rows(self.config, prompt_tokens, max_tokens, mode, budget_tokens, kv_itemsize=self.layout.itemsize)
 
     def add(self, prefill, params: SamplingParams, mode: str | None = None, budget_tokens: int | None = None) -> str:
         """Queue a prefilled request (a prefill_node.PrefillResult). `mode` and `budget_tokens`
@@ -182,15 +184,11 @@ class DecodeEngine:
             self.config.fetch_timeout_s
         )
         self.counters.admission_bytes_fetched += int(blocks.size) * layout.unit_bytes
+        req.summaries = SummaryPages(self.pool, ws.summary_rows)
         if plan.budget:
             summaries = self.client.read_summaries(req.request_id, dtype=self.config.summary_read_dtype)
             self.counters.summary_bytes_fetched += summaries.numel() * summaries.element_size()
-            # Scored against the queries where the model runs, in float32: widening once here is
-            # cheaper than widening the scored range of every layer at every step.
-            req.summaries = summaries.to(self.pool.tensor.device, torch.float32)
-        else:
-            req.summaries = torch.zeros((layout.num_layers, layout.num_kv_heads, 0, 2, layout.head_dim),
-                                        device=self.pool.tensor.device)
+            req.summaries.write(0, summaries)
         req.ws = ws
 
     # -- one step ------------------------------------------------------------------------
@@ -276,11 +274,7 @@ class DecodeEngine:
         self.counters.blocks_written_back += len(done)
         keys = self.pool.units[units][:, :, :, 0]  # [blocks, layers, heads, bs, d]
         summaries = summarize_keys(keys, kind=req.summary_kind).permute(1, 2, 0, 3, 4)  # [layers, heads, blocks, 2, d]
-        have = req.summaries.shape[2]
-        first = done.start
-        if first < have:  # a block the prefill wrote partly filled
-            req.summaries = req.summaries[:, :, :first]
-        req.summaries = torch.cat((req.summaries, summaries), dim=2)
+        req.summaries.write(done.start, summaries)  # rewrites a block the prefill wrote partly filled
 
     def _emit(self, req: DecodeRequest, emitted: list[int]) -> DecodeOutput:
         new = []

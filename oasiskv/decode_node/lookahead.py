@@ -15,6 +15,7 @@ import torch
 
 from ..kvstore import rank_blocks
 from ..kvstore.summary import query_weights, softmax_shares
+from .summary_pages import PagedLayer
 from .working_set import EMPTY, WorkingSet
 
 
@@ -63,15 +64,23 @@ def select_blocks(queries: torch.Tensor, summaries: torch.Tensor, first: int, en
 @dataclass
 class Selection:
     """One request's part of a batched selection: its query rows ([rows, q_heads, d]), its
-    summaries of one layer ([kv_heads, blocks, 2, d]), the run of candidate blocks first..end-1,
-    how many to keep and the radius weight of its summary kind."""
+    summaries of one layer ([kv_heads, blocks, 2, d], or the decode node's `PagedLayer` of them),
+    the run of candidate blocks first..end-1, how many to keep and the radius weight of its
+    summary kind."""
 
     queries: torch.Tensor
-    summaries: torch.Tensor
+    summaries: torch.Tensor | PagedLayer
     first: int
     end: int
     k: int
     radius_weight: float
+
+    def candidate_summaries(self) -> torch.Tensor:
+        """[kv_heads, end - first, 2 * head_dim] float32."""
+        if isinstance(self.summaries, torch.Tensor):
+            kv_heads, _, _, head_dim = self.summaries.shape
+            return self.summaries[:, self.first : self.end].float().reshape(kv_heads, self.end - self.first, 2 * head_dim)
+        return self.summaries.candidates(self.first, self.end)
 
 
 def select_blocks_batched(selections: list[Selection], scale: float) -> list[np.ndarray]:
@@ -103,8 +112,8 @@ def select_blocks_batched(selections: list[Selection], scale: float) -> list[np.
     lengths = [s.end - s.first for s in chosen]
     logits = weights.new_full((len(chosen), kv_heads, weights.shape[2], max(lengths)), float("-inf"))
     for i, s in enumerate(chosen):
-        flat = s.summaries[:, s.first : s.end].float().reshape(kv_heads, lengths[i], 2 * head_dim)
-        logits[i, :, :, : lengths[i]] = torch.bmm(weights[i], flat.transpose(1, 2))
+        # Gathered (and widened) right before its matmul: on a CPU it is then still in cache.
+        logits[i, :, :, : lengths[i]] = torch.bmm(weights[i], s.candidate_summaries().transpose(1, 2))
     shares = softmax_shares(logits)  # [R, kv_heads, longest run]; padding gets 0
     padding = torch.arange(shares.shape[-1], device=device) >= torch.tensor(lengths, device=device)[:, None]
     shares = shares.masked_fill(padding[:, None, :], -1.0)  # below any real share, even one that underflowed to 0

@@ -4,16 +4,20 @@ The pool is `[rows, layers, kv_heads, 2, block_size, head_dim]`: a *row* holds o
 for every (layer, KV head), and each (layer, KV head) decides on its own which logical block its
 slot of the row holds. A request owns a fixed set of rows for its whole life:
 
-    [ sink rows | window ring (window_blocks + 1 rows) | budget rows ]
+    [ sink rows | window ring (window_blocks + 1 rows) | budget rows | summary pages ]
 
 - sink rows hold the first blocks (attention sinks), always;
 - the ring holds the most recent blocks, which the decode node writes itself (block b lives in
   ring row (b - sinks) % ring); the one spare row takes draft tokens that spill into the next
   block without overwriting the window;
 - budget rows hold the selected blocks (top-K per layer and KV head), replaced as the selection
-  moves.
+  moves;
+- summary pages hold the request's key summaries (`summary_pages.SummaryPages`), every block's
+  that the request can reach: the selection ranks against them at every step, so they live in
+  device memory too, and in the pool, so `kv_pool_gb` bounds them and admission counts them.
 
-`dense` is the same structure with no sinks, no budget, and a ring as long as the request.
+`dense` is the same structure with no sinks, no budget, no summaries, and a ring as long as the
+request.
 A request is admitted only when its rows are free, so the pool never over-commits.
 """
 
@@ -30,8 +34,19 @@ from ..models.kv_cache import BlockAllocator
 EMPTY = -1
 
 
+def summary_blocks_per_row(block_size: int, kv_itemsize: int, summary_itemsize: int) -> int:
+    """How many blocks' summaries (every layer and KV head) one pool row holds: a row is
+    block_size keys and values per (layer, head), a summary two vectors of summary_itemsize."""
+    if block_size * kv_itemsize % summary_itemsize:
+        raise ValueError(f"a pool row of {block_size}-token blocks in {kv_itemsize}-byte KV does not hold a whole "
+                         f"number of {summary_itemsize}-byte key summaries; use an even block_size or read "
+                         "summaries as bfloat16")
+    return block_size * kv_itemsize // summary_itemsize
+
+
 class DevicePool:
-    def __init__(self, layout: KVLayout, pool_bytes: int, device: str | torch.device = "cpu"):
+    def __init__(self, layout: KVLayout, pool_bytes: int, device: str | torch.device = "cpu",
+                 summary_dtype: torch.dtype = torch.bfloat16):
         self.layout = layout
         row_bytes = layout.num_layers * layout.num_kv_heads * layout.unit_bytes
         self.num_rows = pool_bytes // row_bytes
@@ -42,6 +57,11 @@ class DevicePool:
         self.tensor = torch.zeros(shape, dtype=layout.dtype, device=device)
         self.units = self.tensor.view(-1, 2, layout.block_size, layout.head_dim)
         self.allocator = BlockAllocator(self.num_rows)
+        # The same memory seen as summary pages: per row and (layer, head), `summary_blocks` blocks'
+        # (lo, hi) pairs, flattened to [rows * layers * kv_heads, summary_blocks * 2 * head_dim].
+        self.summary_dtype = summary_dtype
+        self.summary_blocks = summary_blocks_per_row(layout.block_size, layout.itemsize, summary_dtype.itemsize)
+        self.summary_units = self.tensor.view(-1, 2 * layout.block_size * layout.head_dim).view(summary_dtype)
 
     def unit_ids(self, rows: torch.Tensor, layer: int, head: torch.Tensor | int) -> torch.Tensor:
         """Flat unit index of (row, layer, head): where a store read lands."""
@@ -59,28 +79,37 @@ class RowPlan:
     sinks: int
     ring: int
     budget: int
+    summary_pages: int = 0
+
+    @property
+    def kv_rows(self) -> int:
+        return self.sinks + self.ring + self.budget
 
     @property
     def total(self) -> int:
-        return self.sinks + self.ring + self.budget
+        return self.kv_rows + self.summary_pages
 
 
 def plan_rows(config, prompt_tokens: int, max_tokens: int, mode: str | None = None,
-              budget_tokens: int | None = None) -> RowPlan:
-    """Rows a request needs in a decode pool (config: a DecodeConfig). Shared by the engine's
-    admission and the cluster router's accounting, so both agree on what fits."""
+              budget_tokens: int | None = None, *, kv_itemsize: int) -> RowPlan:
+    """Rows a request needs in a decode pool (config: a DecodeConfig; kv_itemsize: bytes per
+    element of the pool's KV). Shared by the engine's admission and the cluster router's
+    accounting, so both agree on what fits."""
     bs = config.block_size
+    blocks = -(-(prompt_tokens + max_tokens + config.num_draft_tokens + 1) // bs)  # all it can reach
     if (mode or config.mode) == "dense":
-        blocks = -(-(prompt_tokens + max_tokens + config.num_draft_tokens + 1) // bs)
         return RowPlan(sinks=0, ring=blocks + 1, budget=0)
     budget = (budget_tokens or config.budget_tokens) // bs
-    return RowPlan(sinks=config.sink_blocks, ring=config.window_blocks + 1, budget=budget)
+    summary_itemsize = 4 if config.summary_read_dtype == "float32" else 2
+    per_page = summary_blocks_per_row(bs, kv_itemsize, summary_itemsize)
+    return RowPlan(sinks=config.sink_blocks, ring=config.window_blocks + 1, budget=budget,
+                   summary_pages=-(-blocks // per_page))
 
 
 @dataclass
 class WorkingSet:
     request_id: str
-    rows: torch.Tensor  # [R] pool rows owned, in role order
+    rows: torch.Tensor  # [R] pool rows owned, in role order (`kv_rows` first, then the summary pages)
     plan: RowPlan
     num_layers: int
     num_kv_heads: int
@@ -96,7 +125,7 @@ class WorkingSet:
     replace_credit: list = field(init=False)
 
     def __post_init__(self):
-        shape = (self.num_layers, self.num_kv_heads, self.plan.total)
+        shape = (self.num_layers, self.num_kv_heads, self.plan.kv_rows)
         self.blocks = torch.full(shape, EMPTY, dtype=torch.long)
         self.last_selected = torch.zeros(shape, dtype=torch.long)
         self.in_flight = torch.zeros(shape, dtype=torch.bool)
@@ -105,8 +134,17 @@ class WorkingSet:
 
     # -- roles ---------------------------------------------------------------------------
     @property
+    def kv_rows(self) -> torch.Tensor:
+        """The rows that hold KV (sinks, ring, budget), in role order."""
+        return self.rows[: self.plan.kv_rows]
+
+    @property
+    def summary_rows(self) -> torch.Tensor:
+        return self.rows[self.plan.kv_rows :]
+
+    @property
     def budget_slice(self) -> slice:
-        return slice(self.plan.sinks + self.plan.ring, self.plan.total)
+        return slice(self.plan.sinks + self.plan.ring, self.plan.kv_rows)
 
     def ring_index(self, block: int) -> int:
         """Row index that holds `block` while it is written locally (sink blocks keep their own row)."""

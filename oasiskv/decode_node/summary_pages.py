@@ -1,0 +1,124 @@
+"""A request's key summaries, paged into pool rows it owns.
+
+The selection ranks every candidate block of every layer against the summaries at every step,
+so they stay in device memory for the request's life. Held outside the pool (as they were, in
+float32) they were 1/8 of the request's whole KV in bf16: at 16K on Qwen 1.5B as much as its
+2,048-token working set, at 128K eight times it, and no admission check counted them. Paged
+into rows of the pool, in the dtype they were read in, `kv_pool_gb` bounds them and a request
+waits until its pages fit like its KV rows.
+
+Page p of a request holds blocks p * per_page ... (p + 1) * per_page - 1 of every layer and KV
+head (`DevicePool.summary_blocks` per page); a (row, layer, head) slice of a page is one
+contiguous run of per_page (lo, hi) pairs, so a layer's candidates are one index_select away.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..kvstore.summary import narrow_summaries
+from .working_set import DevicePool
+
+
+class SummaryPages:
+    def __init__(self, pool: DevicePool, rows: torch.Tensor):
+        self.pool = pool
+        self.rows = rows.cpu().numpy().astype(np.int64)
+        self.num_blocks = 0
+        self._heads = np.arange(pool.layout.num_kv_heads)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.rows) * self.pool.summary_blocks
+
+    def write(self, first_block: int, summaries: torch.Tensor) -> None:
+        """Summaries [layers, kv_heads, n, 2, d] of blocks first_block.. (float32, or already in the
+        pages' dtype); they become the last blocks held (a partly filled block is rewritten)."""
+        layout, per_page = self.pool.layout, self.pool.summary_blocks
+        n = summaries.shape[2]
+        if first_block > self.num_blocks or first_block + n > self.capacity:
+            raise ValueError(f"summaries of blocks {first_block}..{first_block + n - 1} do not follow the "
+                             f"{self.num_blocks} held, within the {self.capacity} these pages hold")
+        if summaries.dtype != self.pool.summary_dtype:
+            summaries = narrow_summaries(summaries.float(), self.pool.summary_dtype)  # as the store narrows them
+        blocks = np.arange(first_block, first_block + n)
+        units = self._units(self.rows[blocks // per_page], np.arange(layout.num_layers))  # [n, layers, heads]
+        pairs = 2 * layout.head_dim
+        offsets = (blocks % per_page)[:, None, None] * pairs + np.arange(pairs)  # [n, 1, 2d]
+        flat = self.pool.summary_units
+        target_units = torch.from_numpy(units.reshape(n, -1)).to(flat.device)  # [n, layers * heads]
+        values = summaries.permute(2, 0, 1, 3, 4).reshape(n, -1, pairs).to(flat.device, flat.dtype)
+        flat[target_units[:, :, None], torch.from_numpy(offsets).to(flat.device)] = values
+        self.num_blocks = first_block + n
+
+    def blocks(self, first: int = 0, end: int | None = None) -> torch.Tensor:
+        """Blocks first..end-1 as they are held: [layers, kv_heads, n, 2, head_dim] in the pages' dtype."""
+        layout, per_page = self.pool.layout, self.pool.summary_blocks
+        end = self.num_blocks if end is None else end
+        if not 0 <= first <= end <= self.num_blocks:
+            raise ValueError(f"blocks {first}..{end - 1} of {self.num_blocks} summarized")
+        blocks = np.arange(first, end)
+        units = torch.from_numpy(self._units(self.rows[blocks // per_page], np.arange(layout.num_layers)))
+        pairs = 2 * layout.head_dim
+        offsets = torch.from_numpy((blocks % per_page)[:, None, None, None] * pairs + np.arange(pairs))
+        flat = self.pool.summary_units
+        held = flat[units[..., None].to(flat.device), offsets.to(flat.device)]  # [n, layers, heads, 2d]
+        return held.view(len(blocks), layout.num_layers, layout.num_kv_heads, 2, layout.head_dim).permute(1, 2, 0, 3, 4)
+
+    def candidates(self, layer: int, first: int, end: int, scratch: dict | None = None) -> torch.Tensor:
+        """Blocks first..end-1 of `layer`: [kv_heads, end - first, 2 * head_dim] float32. With
+        `scratch` (a dict the caller keeps), the result lives in its reused buffers and is valid
+        until the next call with the same scratch."""
+        layout, per_page = self.pool.layout, self.pool.summary_blocks
+        if not 0 <= first <= end <= self.num_blocks:
+            raise ValueError(f"blocks {first}..{end - 1} of {self.num_blocks} summarized")
+        first_page, end_page = first // per_page, -(-end // per_page)
+        units = self._units(self.rows[first_page:end_page], np.array([layer]))[:, 0].T  # [heads, pages]
+        flat = self.pool.summary_units
+        index = torch.from_numpy(np.ascontiguousarray(units).reshape(-1)).to(flat.device)
+        shape = (index.numel(), flat.shape[1])
+        gathered = torch.index_select(flat, 0, index, out=_buffer(scratch, "pages", shape, flat.dtype, flat.device))
+        if gathered.dtype != torch.float32:
+            gathered = _buffer(scratch, "pages float32", shape, torch.float32, flat.device).copy_(gathered)
+        run = gathered.view(layout.num_kv_heads, -1, 2 * layout.head_dim)
+        start = first - first_page * per_page
+        return run[:, start : start + end - first]
+
+    def _units(self, rows: np.ndarray, layers: np.ndarray) -> np.ndarray:
+        """[len(rows), len(layers), kv_heads] indices into `pool.summary_units`."""
+        layout = self.pool.layout
+        return (rows[:, None, None] * layout.num_layers + layers[None, :, None]) * layout.num_kv_heads + self._heads
+
+
+def _buffer(scratch: dict | None, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor | None:
+    """A reused tensor of at least this many elements, viewed to `shape` (None without scratch)."""
+    if scratch is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    need = int(np.prod(shape))
+    held = scratch.get(name)
+    if held is None or held.numel() < need or held.dtype != dtype or held.device != torch.device(device):
+        held = scratch[name] = torch.empty(need, dtype=dtype, device=device)
+    return held[:need].view(shape)
+
+
+class PagedLayer:
+    """One layer of a request's summary pages, shaped like the [kv_heads, blocks, 2, head_dim]
+    tensor `lookahead.Selection` takes; `candidates` gathers a run of it."""
+
+    def __init__(self, pages: SummaryPages, layer: int, scratch: dict | None = None):
+        self.pages = pages
+        self.layer = layer
+        self.scratch = scratch
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        layout = self.pages.pool.layout
+        return (layout.num_kv_heads, self.pages.num_blocks, 2, layout.head_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return self.pages.pool.summary_units.device
+
+    def candidates(self, first: int, end: int) -> torch.Tensor:
+        return self.pages.candidates(self.layer, first, end, self.scratch)

@@ -1,0 +1,158 @@
+"""Key summaries paged into the device pool: what is written is what is read back (across page
+boundaries, rows that are not adjacent, a rewritten partial block), the selection ranks from the
+pages exactly as from a tensor, and admission counts the pages: a request waits, or is refused,
+when its KV rows and its pages together do not fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasiskv.decode_node.config import DecodeConfig
+from oasiskv.decode_node.engine import DecodeEngine
+from oasiskv.decode_node.lookahead import Selection, select_blocks_batched
+from oasiskv.decode_node.summary_pages import PagedLayer, SummaryPages
+from oasiskv.decode_node.working_set import DevicePool, plan_rows, summary_blocks_per_row
+from oasiskv.kvstore import KVLayout, KVStore, connect, narrow_summaries, summarize_request
+from oasiskv.models.engine.scheduler import RequestTooLarge
+from oasiskv.models.sampling import SamplingParams
+from oasiskv.prefill_node.prefill import Prefiller, kv_layout_for
+
+from ..conftest import stdlib_source
+
+LAYERS, HEADS, DIM = 3, 2, 8
+
+
+def _pool(kv_dtype=torch.bfloat16, summary_dtype=torch.bfloat16, rows=8) -> DevicePool:
+    layout = KVLayout(LAYERS, HEADS, DIM, 16, kv_dtype)
+    row_bytes = LAYERS * HEADS * layout.unit_bytes
+    return DevicePool(layout, rows * row_bytes, "cpu", summary_dtype)
+
+
+def _summaries(blocks: int, seed: int = 0) -> torch.Tensor:
+    keys = torch.randn(LAYERS, blocks * 16, HEADS, DIM, generator=torch.Generator().manual_seed(seed))
+    return summarize_request(keys)  # [layers, heads, blocks, 2, d] float32
+
+
+@pytest.mark.parametrize("kv_dtype,summary_dtype,per_page", [
+    (torch.bfloat16, torch.bfloat16, 16), (torch.float32, torch.bfloat16, 32), (torch.bfloat16, torch.float32, 8),
+])
+def test_what_is_written_is_read_back_across_pages(kv_dtype, summary_dtype, per_page):
+    pool = _pool(kv_dtype, summary_dtype)
+    assert pool.summary_blocks == per_page
+    rows = torch.tensor([5, 1, 3])  # not adjacent, not in order
+    pages = SummaryPages(pool, rows)
+    blocks = 2 * per_page + 3
+    summaries = _summaries(blocks)
+    pages.write(0, summaries)
+    expected = narrow_summaries(summaries, summary_dtype)  # as the store narrows them for a read
+    assert pages.num_blocks == blocks and torch.equal(pages.blocks(), expected)
+    scratch: dict = {}
+    for layer, first, end in [(0, 0, blocks), (1, per_page - 2, per_page + 5), (2, 3, 3), (2, per_page, 2 * per_page)]:
+        got = pages.candidates(layer, first, end, scratch)
+        want = expected[layer, :, first:end].float().reshape(HEADS, end - first, 2 * DIM)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    # Only the request's own rows were written: every other row of the pool is still zero.
+    others = [r for r in range(pool.num_rows) if r not in rows.tolist()]
+    assert not pool.tensor[others].any()
+
+
+def test_a_rewritten_partial_block_replaces_the_last_one():
+    pages = SummaryPages(_pool(), torch.tensor([0, 2]))
+    first, second = _summaries(20, seed=1), _summaries(3, seed=2)
+    pages.write(0, first)
+    pages.write(19, second)  # block 19 was partly filled; it is now complete, and two follow
+    assert pages.num_blocks == 22
+    held = pages.blocks()
+    assert torch.equal(held[:, :, :19], narrow_summaries(first[:, :, :19], torch.bfloat16))
+    assert torch.equal(held[:, :, 19:], narrow_summaries(second, torch.bfloat16))
+
+
+def test_bad_writes_and_reads_are_refused():
+    pages = SummaryPages(_pool(), torch.tensor([4]))  # 16 blocks
+    pages.write(0, _summaries(4))
+    with pytest.raises(ValueError, match="do not follow"):
+        pages.write(6, _summaries(1))  # a gap
+    with pytest.raises(ValueError, match="do not follow"):
+        pages.write(4, _summaries(13))  # past the capacity
+    with pytest.raises(ValueError, match="summarized"):
+        pages.candidates(0, 2, 5)
+    assert pages.num_blocks == 4
+
+
+def test_selection_from_pages_equals_selection_from_the_tensor():
+    pool = _pool(rows=20)
+    generator = torch.Generator().manual_seed(3)
+    paged, plain = [], []
+    for i, (blocks, first, end, k, rows) in enumerate([(40, 1, 35, 8, 3), (70, 1, 66, 16, 1), (12, 1, 5, 8, 3)]):
+        pages = SummaryPages(pool, torch.arange(i, 20, 4))  # 5 pages, interleaved with the others'
+        summaries = _summaries(blocks, seed=10 + i)
+        pages.write(0, summaries)
+        queries = torch.randn(rows, 4 * HEADS, DIM, generator=generator)
+        layer = i % LAYERS
+        widened = narrow_summaries(summaries, torch.bfloat16)[layer].float()
+        plain.append(Selection(queries, widened, first, end, k, 0.5))
+        paged.append(Selection(queries, PagedLayer(pages, layer, {}), first, end, k, 0.5))
+    for got, want in zip(select_blocks_batched(paged, 0.35), select_blocks_batched(plain, 0.35)):
+        assert (got == want).all()
+
+
+def test_plan_rows_counts_the_pages_every_block_the_request_can_reach_needs():
+    config = DecodeConfig(budget_tokens=256)
+    plan = plan_rows(config, 1000, 100, kv_itemsize=2)
+    blocks = -(-(1000 + 100 + config.num_draft_tokens + 1) // 16)  # 69
+    assert plan.kv_rows == 1 + 5 + 16 and plan.summary_pages == -(-blocks // 16) == 5
+    assert plan.total == plan.kv_rows + plan.summary_pages
+    assert plan_rows(config, 1000, 100, kv_itemsize=4).summary_pages == 3  # fp32 KV rows hold 32 blocks' bf16 summaries
+    assert plan_rows(DecodeConfig(summary_read_dtype="float32"), 1000, 100, kv_itemsize=2).summary_pages == 9
+    assert plan_rows(config, 1000, 100, "dense", kv_itemsize=2).summary_pages == 0
+    with pytest.raises(ValueError, match="even block_size"):
+        summary_blocks_per_row(15, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def store():
+    return KVStore(64 * 2**20)
+
+
+def test_admission_counts_the_summary_pages(smollm2_llm, store):
+    """A pool that holds one request's KV rows and pages holds one request at a time: the second
+    waits (it is not admitted on its KV rows alone); a pool one row smaller refuses it."""
+    model, tokenizer = smollm2_llm.model, smollm2_llm.tokenizer
+    ids = smollm2_llm.encode(stdlib_source("argparse.py"))
+    prompts = [ids[:640], ids[1000:1600]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    config = DecodeConfig(budget_tokens=160, kv_pool_gb=1.0)
+    layout = kv_layout_for(model, config.block_size)
+    plan = plan_rows(config, len(prompts[0]), params.max_tokens, kv_itemsize=layout.itemsize)
+    assert plan.summary_pages >= 1
+    row_bytes = layout.units_per_block * layout.unit_bytes
+    client = connect(store)
+    prefiller = Prefiller(model, client)
+    results = [prefiller.prefill(f"pages-{i}", p, params, budget_blocks=config.budget_blocks,
+                                 excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks)
+               for i, p in enumerate(prompts)]
+
+    too_small = config.model_copy(update={"kv_pool_gb": (plan.total - 0.5) * row_bytes / 2**30})
+    engine = DecodeEngine(model, tokenizer, client, too_small)
+    assert engine.pool.num_rows == plan.total - 1 >= plan.kv_rows
+    with pytest.raises(RequestTooLarge, match="device KV pool"):
+        engine.add(results[0], params)
+    engine.close()
+
+    one_at_a_time = config.model_copy(update={"kv_pool_gb": (plan.total + 0.5) * row_bytes / 2**30})
+    engine = DecodeEngine(model, tokenizer, client, one_at_a_time)
+    for result in results:
+        engine.add(result, params)
+    finished, most_running = {}, 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        most_running = max(most_running, len(engine.running))
+        assert engine.pool.rows_used <= engine.pool.num_rows
+    assert most_running == 1 and sorted(finished) == ["pages-0", "pages-1"]
+    assert all(len(out.token_ids) == params.max_tokens for out in finished.values())
+    assert engine.pool.rows_used == 0
+    engine.close()
+    assert store.stats().num_requests == 0
