@@ -28,7 +28,8 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus-per-worker", type=float, default=1.0,
                         help="GPU share per prefill and decode worker with --device cuda (0.5: two share a GPU)")
     parser.add_argument("--mode", choices=["dense", "sparse-current", "lookahead"], default="lookahead")
-    parser.add_argument("--kv-pool-gb", type=float, default=1.0, help="device KV pool per decode worker")
+    parser.add_argument("--kv-pool-gb", type=float, default=1.0,
+                        help="device KV pool per decode worker: working sets and their key summaries")
     parser.add_argument("--budget-tokens", type=int, default=2048)
     parser.add_argument("--num-draft-tokens", type=int, default=3)
     parser.add_argument("--drafter", default="ngram", help="'ngram' or a draft model name")

@@ -13,7 +13,8 @@ Mode = Literal["dense", "sparse-current", "lookahead"]
 
 class DecodeConfig(BaseModel):
     mode: Mode = "lookahead"
-    kv_pool_gb: float = Field(1.0, gt=0, description="device KV pool (HBM on a GPU, RAM here)")
+    kv_pool_gb: float = Field(1.0, gt=0, description="device KV pool (HBM on a GPU, RAM here): every request's "
+                                "working set and, in the sparse modes, its key summaries")
     budget_tokens: int = Field(2048, ge=16, description="selected KV per layer and KV head, in tokens")
     sink_blocks: int = Field(1, ge=0, description="first blocks, always resident")
     window_blocks: int = Field(4, ge=1, description="most recent blocks, always resident (local window)")
