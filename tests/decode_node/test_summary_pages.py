@@ -23,10 +23,10 @@ from ..conftest import stdlib_source
 LAYERS, HEADS, DIM = 3, 2, 8
 
 
-def _pool(kv_dtype=torch.bfloat16, summary_dtype=torch.bfloat16, rows=8) -> DevicePool:
+def _pool(kv_dtype=torch.bfloat16, summary_dtype=torch.bfloat16, rows=8, device="cpu") -> DevicePool:
     layout = KVLayout(LAYERS, HEADS, DIM, 16, kv_dtype)
     row_bytes = LAYERS * HEADS * layout.unit_bytes
-    return DevicePool(layout, rows * row_bytes, "cpu", summary_dtype)
+    return DevicePool(layout, rows * row_bytes, device, summary_dtype)
 
 
 def _summaries(blocks: int, seed: int = 0) -> torch.Tensor:
@@ -95,6 +95,20 @@ def test_selection_from_pages_equals_selection_from_the_tensor():
         paged.append(Selection(queries, PagedLayer(pages, layer, {}), first, end, k, 0.5))
     for got, want in zip(select_blocks_batched(paged, 0.35), select_blocks_batched(plain, 0.35)):
         assert (got == want).all()
+
+
+@pytest.mark.cuda
+def test_pages_on_cuda_hold_and_give_what_the_cpu_pages_do():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    summaries = _summaries(40, seed=4)
+    held = []
+    for device in ("cpu", "cuda"):
+        pages = SummaryPages(_pool(device=device), torch.tensor([6, 2, 4]))
+        pages.write(0, summaries.to(device))
+        assert pages.pool.summary_units.device.type == device
+        held.append((pages.blocks().cpu(), pages.candidates(1, 3, 37, {}).cpu()))
+    assert torch.equal(held[0][0], held[1][0]) and torch.equal(held[0][1], held[1][1])
 
 
 def test_plan_rows_counts_the_pages_every_block_the_request_can_reach_needs():
