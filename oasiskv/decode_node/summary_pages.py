@@ -40,6 +40,9 @@ class SummaryPages:
         if first_block > self.num_blocks or first_block + n > self.capacity:
             raise ValueError(f"summaries of blocks {first_block}..{first_block + n - 1} do not follow the "
                              f"{self.num_blocks} held, within the {self.capacity} these pages hold")
+        if n == 0:  # a prompt shorter than a block: nothing summarized yet
+            self.num_blocks = first_block
+            return
         if summaries.dtype != self.pool.summary_dtype:
             summaries = narrow_summaries(summaries.float(), self.pool.summary_dtype)  # as the store narrows them
         blocks = np.arange(first_block, first_block + n)

@@ -78,6 +78,9 @@ def test_bad_writes_and_reads_are_refused():
     with pytest.raises(ValueError, match="summarized"):
         pages.candidates(0, 2, 5)
     assert pages.num_blocks == 4
+    empty = SummaryPages(_pool(), torch.tensor([5]))
+    empty.write(0, _summaries(0))  # a prompt shorter than one block has no summary yet
+    assert empty.num_blocks == 0 and empty.blocks().shape == (LAYERS, HEADS, 0, 2, DIM)
 
 
 def test_selection_from_pages_equals_selection_from_the_tensor():
