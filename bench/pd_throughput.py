@@ -10,7 +10,8 @@ process, Ray, a NIXL KV store actor, one prefill actor, one decode actor), start
 measured and stopped before the next one starts. Both servers get the same `kv_pool_gb`
 (decode-node device KV pool) and the same store capacity. Unless --kv-pool-gb is given, the pool
 holds --dense-fit (2) `dense` requests at once; `lookahead` needs only sink + window + 1 +
-budget rows per request, so the same pool holds many more. The store holds every request.
+budget rows (and its key summaries' pages) per request, so the same pool holds many more. The store
+holds every request.
 
 Workload: --num-requests prompts of --prompt-tokens token ids each (consecutive slices of
 Python standard-library source, bench/common.py), sent at once with the official `openai`

@@ -89,7 +89,7 @@ import oasiskv.decode_node.engine as engine_module  # noqa: E402
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
 from oasiskv.decode_node.engine import DecodeEngine  # noqa: E402
 from oasiskv.decode_node.speculative import Draft, NgramDrafter  # noqa: E402
-from oasiskv.decode_node.working_set import EMPTY  # noqa: E402
+from oasiskv.decode_node.working_set import EMPTY, plan_rows  # noqa: E402
 from oasiskv.kvstore import (  # noqa: E402
     DEFAULT_SUMMARY_KIND,
     SUMMARY_KINDS,
@@ -292,11 +292,8 @@ def prefill_once(llm, client, prompt: list[int], budget_blocks: int, sinks: int,
 
 
 def pool_gb(engine_layout, config: DecodeConfig, prompt_tokens: int, max_tokens: int) -> float:
-    bs = config.block_size
-    if config.mode == "dense":
-        rows = -(-(prompt_tokens + max_tokens + config.num_draft_tokens + 1) // bs) + 1
-    else:
-        rows = config.sink_blocks + config.window_blocks + 1 + config.budget_blocks
+    """A pool that holds one request (DecodeEngine.row_plan), and two rows to spare."""
+    rows = plan_rows(config, prompt_tokens, max_tokens, kv_itemsize=engine_layout.itemsize).total
     row_bytes = engine_layout.num_layers * engine_layout.num_kv_heads * engine_layout.unit_bytes
     return (rows + 2) * row_bytes / 2**30
 
