@@ -73,6 +73,11 @@ class ServeConfig(BaseModel):
         return self
 
     @property
+    def kv_itemsize(self) -> int:
+        """Bytes per element of the workers' KV (the model dtype)."""
+        return 4 if self.dtype == "float32" else 2
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
 

@@ -23,8 +23,7 @@ log = logging.getLogger("oasiskv.cluster")
 def build_service(config: ServeConfig) -> ClusterService:
     model_dir = resolve_model(config.model)  # pulls on first use, with a progress bar
     model_config = ModelConfig.from_dir(model_dir)
-    itemsize = 4 if config.dtype == "float32" else 2
-    per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * itemsize
+    per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * config.kv_itemsize
     # Key summaries: min and max in fp32 per block, layer and KV head.
     per_token += 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * 4 // config.decode.block_size
     handles = launch(config)

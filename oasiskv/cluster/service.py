@@ -94,8 +94,8 @@ class ClusterService:
 
     # -- one request ---------------------------------------------------------------------
     def rows_needed(self, prompt_tokens: int, max_tokens: int, mode: str | None, budget: int | None) -> int:
-        itemsize = 4 if self.config.dtype == "float32" else 2  # the decode workers' KV dtype
-        return plan_rows(self.config.decode, prompt_tokens, max_tokens, mode, budget, kv_itemsize=itemsize).total
+        return plan_rows(self.config.decode, prompt_tokens, max_tokens, mode, budget,
+                         kv_itemsize=self.config.kv_itemsize).total
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        mode: str | None = None, budget_tokens: int | None = None) -> AsyncIterator[Event]:

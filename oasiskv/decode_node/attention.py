@@ -113,7 +113,6 @@ class SparseAttention:
         self._deferred_recall: list[tuple[int, StepRequest, torch.Tensor, torch.Tensor]] = []
         self.requests: list[StepRequest] = []
         self.attention_buffers = AttentionBuffers()
-        self._summary_scratch: dict = {}  # SummaryPages.candidates' reused buffers
         self.batch: AttentionBatch | None = None
         self.step_index = 0
 
@@ -256,7 +255,7 @@ class SparseAttention:
         for layer, req, query in work:
             first, end = self._candidate_range(req)
             budget = min(req.budget_blocks, req.ws.plan.budget)
-            selections.append(Selection(query, PagedLayer(req.summaries, layer, self._summary_scratch), first, end,
+            selections.append(Selection(query, PagedLayer(req.summaries, layer, self.attention_buffers), first, end,
                                         budget, req.radius_weight))
         return select_blocks_batched(selections, self.scale)
 

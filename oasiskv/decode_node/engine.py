@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, ranking_radius_weight, summarize_keys
+from ..kvstore.summary import summary_read_dtype
 from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
 from ..models.engine.stopping import finish_reason, visible_text
@@ -81,7 +82,7 @@ class DecodeEngine:
         self.client = IOThreadClient(client, self.config.fetch_timeout_s)
         self.layout = kv_layout_for(model, self.config.block_size)
         self.pool = DevicePool(self.layout, int(self.config.kv_pool_gb * 2**30), self.config.device,
-                               getattr(torch, self.config.summary_read_dtype))
+                               summary_read_dtype(self.config.summary_read_dtype))
         self.client.register(self.pool.tensor)
         self.counters = DecodeCounters()
         mc = model.config

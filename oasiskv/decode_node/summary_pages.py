@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..kvstore.summary import narrow_summaries
+from ..models.attention import AttentionBuffers, as_fp32, gather_rows
 from .working_set import DevicePool
 
 
@@ -35,7 +36,7 @@ class SummaryPages:
     def write(self, first_block: int, summaries: torch.Tensor) -> None:
         """Summaries [layers, kv_heads, n, 2, d] of blocks first_block.. (float32, or already in the
         pages' dtype); they become the last blocks held (a partly filled block is rewritten)."""
-        layout, per_page = self.pool.layout, self.pool.summary_blocks
+        layout = self.pool.layout
         n = summaries.shape[2]
         if first_block > self.num_blocks or first_block + n > self.capacity:
             raise ValueError(f"summaries of blocks {first_block}..{first_block + n - 1} do not follow the "
@@ -45,34 +46,24 @@ class SummaryPages:
             return
         if summaries.dtype != self.pool.summary_dtype:
             summaries = narrow_summaries(summaries.float(), self.pool.summary_dtype)  # as the store narrows them
-        blocks = np.arange(first_block, first_block + n)
-        units = self._units(self.rows[blocks // per_page], np.arange(layout.num_layers))  # [n, layers, heads]
-        pairs = 2 * layout.head_dim
-        offsets = (blocks % per_page)[:, None, None] * pairs + np.arange(pairs)  # [n, 1, 2d]
         flat = self.pool.summary_units
-        target_units = torch.from_numpy(units.reshape(n, -1)).to(flat.device)  # [n, layers * heads]
-        values = summaries.permute(2, 0, 1, 3, 4).reshape(n, -1, pairs).to(flat.device, flat.dtype)
-        flat[target_units[:, :, None], torch.from_numpy(offsets).to(flat.device)] = values
+        values = summaries.permute(2, 0, 1, 3, 4).reshape(n, layout.num_layers, layout.num_kv_heads, -1)
+        flat[self._slots(first_block, first_block + n)] = values.to(flat.device, flat.dtype)
         self.num_blocks = first_block + n
 
     def blocks(self, first: int = 0, end: int | None = None) -> torch.Tensor:
         """Blocks first..end-1 as they are held: [layers, kv_heads, n, 2, head_dim] in the pages' dtype."""
-        layout, per_page = self.pool.layout, self.pool.summary_blocks
+        layout = self.pool.layout
         end = self.num_blocks if end is None else end
         if not 0 <= first <= end <= self.num_blocks:
             raise ValueError(f"blocks {first}..{end - 1} of {self.num_blocks} summarized")
-        blocks = np.arange(first, end)
-        units = torch.from_numpy(self._units(self.rows[blocks // per_page], np.arange(layout.num_layers)))
-        pairs = 2 * layout.head_dim
-        offsets = torch.from_numpy((blocks % per_page)[:, None, None, None] * pairs + np.arange(pairs))
-        flat = self.pool.summary_units
-        held = flat[units[..., None].to(flat.device), offsets.to(flat.device)]  # [n, layers, heads, 2d]
-        return held.view(len(blocks), layout.num_layers, layout.num_kv_heads, 2, layout.head_dim).permute(1, 2, 0, 3, 4)
+        held = self.pool.summary_units[self._slots(first, end)]  # [n, layers, heads, 2d]
+        return held.view(end - first, layout.num_layers, layout.num_kv_heads, 2, layout.head_dim).permute(1, 2, 0, 3, 4)
 
-    def candidates(self, layer: int, first: int, end: int, scratch: dict | None = None) -> torch.Tensor:
+    def candidates(self, layer: int, first: int, end: int, buffers: AttentionBuffers | None = None) -> torch.Tensor:
         """Blocks first..end-1 of `layer`: [kv_heads, end - first, 2 * head_dim] float32. With
-        `scratch` (a dict the caller keeps), the result lives in its reused buffers and is valid
-        until the next call with the same scratch."""
+        `buffers`, the result lives in their reused tensors and is valid until their next use
+        under the same names."""
         layout, per_page = self.pool.layout, self.pool.summary_blocks
         if not 0 <= first <= end <= self.num_blocks:
             raise ValueError(f"blocks {first}..{end - 1} of {self.num_blocks} summarized")
@@ -80,10 +71,7 @@ class SummaryPages:
         units = self._units(self.rows[first_page:end_page], np.array([layer]))[:, 0].T  # [heads, pages]
         flat = self.pool.summary_units
         index = torch.from_numpy(np.ascontiguousarray(units).reshape(-1)).to(flat.device)
-        shape = (index.numel(), flat.shape[1])
-        gathered = torch.index_select(flat, 0, index, out=_buffer(scratch, "pages", shape, flat.dtype, flat.device))
-        if gathered.dtype != torch.float32:
-            gathered = _buffer(scratch, "pages float32", shape, torch.float32, flat.device).copy_(gathered)
+        gathered = as_fp32(gather_rows(flat, index, buffers, "summary pages"), "summary pages fp32", buffers)
         run = gathered.view(layout.num_kv_heads, -1, 2 * layout.head_dim)
         start = first - first_page * per_page
         return run[:, start : start + end - first]
@@ -93,26 +81,26 @@ class SummaryPages:
         layout = self.pool.layout
         return (rows[:, None, None] * layout.num_layers + layers[None, :, None]) * layout.num_kv_heads + self._heads
 
-
-def _buffer(scratch: dict | None, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor | None:
-    """A reused tensor of at least this many elements, viewed to `shape` (None without scratch)."""
-    if scratch is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    need = int(np.prod(shape))
-    held = scratch.get(name)
-    if held is None or held.numel() < need or held.dtype != dtype or held.device != torch.device(device):
-        held = scratch[name] = torch.empty(need, dtype=dtype, device=device)
-    return held[:need].view(shape)
+    def _slots(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where blocks first..end-1 of every layer and head lie in `pool.summary_units`: an index
+        pair selecting [n, layers, heads, 2 * head_dim]."""
+        layout, per_page = self.pool.layout, self.pool.summary_blocks
+        blocks = np.arange(first, end)
+        units = self._units(self.rows[blocks // per_page], np.arange(layout.num_layers))  # [n, layers, heads]
+        pairs = 2 * layout.head_dim
+        offsets = (blocks % per_page)[:, None, None, None] * pairs + np.arange(pairs)  # [n, 1, 1, 2d]
+        device = self.pool.summary_units.device
+        return torch.from_numpy(units[..., None]).to(device), torch.from_numpy(offsets).to(device)
 
 
 class PagedLayer:
     """One layer of a request's summary pages, shaped like the [kv_heads, blocks, 2, head_dim]
     tensor `lookahead.Selection` takes; `candidates` gathers a run of it."""
 
-    def __init__(self, pages: SummaryPages, layer: int, scratch: dict | None = None):
+    def __init__(self, pages: SummaryPages, layer: int, buffers: AttentionBuffers | None = None):
         self.pages = pages
         self.layer = layer
-        self.scratch = scratch
+        self.buffers = buffers
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -124,4 +112,4 @@ class PagedLayer:
         return self.pages.pool.summary_units.device
 
     def candidates(self, first: int, end: int) -> torch.Tensor:
-        return self.pages.candidates(self.layer, first, end, self.scratch)
+        return self.pages.candidates(self.layer, first, end, self.buffers)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..kvstore import KVLayout
+from ..kvstore.summary import summary_read_dtype
 from ..models.attention import PAD_POSITION
 from ..models.kv_cache import BlockAllocator
 
@@ -100,8 +101,7 @@ def plan_rows(config, prompt_tokens: int, max_tokens: int, mode: str | None = No
     if (mode or config.mode) == "dense":
         return RowPlan(sinks=0, ring=blocks + 1, budget=0)
     budget = (budget_tokens or config.budget_tokens) // bs
-    summary_itemsize = 4 if config.summary_read_dtype == "float32" else 2
-    per_page = summary_blocks_per_row(bs, kv_itemsize, summary_itemsize)
+    per_page = summary_blocks_per_row(bs, kv_itemsize, summary_read_dtype(config.summary_read_dtype).itemsize)
     return RowPlan(sinks=config.sink_blocks, ring=config.window_blocks + 1, budget=budget,
                    summary_pages=-(-blocks // per_page))
 

@@ -174,7 +174,8 @@ def gather_rows(source: torch.Tensor, index: torch.Tensor, buffers: AttentionBuf
     return torch.index_select(source, 0, index, out=out)
 
 
-def _as_fp32(tensor: torch.Tensor, name: str, buffers: AttentionBuffers | None) -> torch.Tensor:
+def as_fp32(tensor: torch.Tensor, name: str, buffers: AttentionBuffers | None) -> torch.Tensor:
+    """`tensor` in float32: itself if it is, else a copy, into the named reused tensor when there are buffers."""
     if buffers is None or tensor.dtype == torch.float32:
         return tensor.float()
     return buffers.take(name, tuple(tensor.shape), torch.float32, tensor.device).copy_(tensor)
@@ -246,7 +247,7 @@ def _attend_few_rows(queries, keys, values, mask, scale, buffers=None):
     kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     q = queries.float().reshape(num_seqs, kv_heads, group * rows, head_dim)
-    keys, values = _as_fp32(keys, "keys fp32", buffers), _as_fp32(values, "values fp32", buffers)
+    keys, values = as_fp32(keys, "keys fp32", buffers), as_fp32(values, "values fp32", buffers)
     shape = (num_seqs, kv_heads, group * rows, length)
     scores_out = reused_or_fresh(buffers, "scores", shape, torch.float32, q.device)
     scores = torch.matmul(q, keys.transpose(-1, -2), out=scores_out)

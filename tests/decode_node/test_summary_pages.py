@@ -14,6 +14,7 @@ from oasiskv.decode_node.lookahead import Selection, select_blocks_batched
 from oasiskv.decode_node.summary_pages import PagedLayer, SummaryPages
 from oasiskv.decode_node.working_set import DevicePool, plan_rows, summary_blocks_per_row
 from oasiskv.kvstore import KVLayout, KVStore, connect, narrow_summaries, summarize_request
+from oasiskv.models.attention import AttentionBuffers
 from oasiskv.models.engine.scheduler import RequestTooLarge
 from oasiskv.models.sampling import SamplingParams
 from oasiskv.prefill_node.prefill import Prefiller, kv_layout_for
@@ -47,9 +48,9 @@ def test_what_is_written_is_read_back_across_pages(kv_dtype, summary_dtype, per_
     pages.write(0, summaries)
     expected = narrow_summaries(summaries, summary_dtype)  # as the store narrows them for a read
     assert pages.num_blocks == blocks and torch.equal(pages.blocks(), expected)
-    scratch: dict = {}
+    buffers = AttentionBuffers()
     for layer, first, end in [(0, 0, blocks), (1, per_page - 2, per_page + 5), (2, 3, 3), (2, per_page, 2 * per_page)]:
-        got = pages.candidates(layer, first, end, scratch)
+        got = pages.candidates(layer, first, end, buffers)
         want = expected[layer, :, first:end].float().reshape(HEADS, end - first, 2 * DIM)
         assert got.dtype == torch.float32 and torch.equal(got, want)
     # Only the request's own rows were written: every other row of the pool is still zero.
@@ -95,7 +96,7 @@ def test_selection_from_pages_equals_selection_from_the_tensor():
         layer = i % LAYERS
         widened = narrow_summaries(summaries, torch.bfloat16)[layer].float()
         plain.append(Selection(queries, widened, first, end, k, 0.5))
-        paged.append(Selection(queries, PagedLayer(pages, layer, {}), first, end, k, 0.5))
+        paged.append(Selection(queries, PagedLayer(pages, layer, AttentionBuffers()), first, end, k, 0.5))
     for got, want in zip(select_blocks_batched(paged, 0.35), select_blocks_batched(plain, 0.35)):
         assert (got == want).all()
 
@@ -110,7 +111,7 @@ def test_pages_on_cuda_hold_and_give_what_the_cpu_pages_do():
         pages = SummaryPages(_pool(device=device), torch.tensor([6, 2, 4]))
         pages.write(0, summaries.to(device))
         assert pages.pool.summary_units.device.type == device
-        held.append((pages.blocks().cpu(), pages.candidates(1, 3, 37, {}).cpu()))
+        held.append((pages.blocks().cpu(), pages.candidates(1, 3, 37, AttentionBuffers()).cpu()))
     assert torch.equal(held[0][0], held[1][0]) and torch.equal(held[0][1], held[1][1])
 
 
