@@ -59,6 +59,10 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
                              "of them together (default 4; 1: after every layer). Each call's fixed cost is paid once per "
                              "group; measured at bf16 8K on Qwen 0.5B, 4 took lookahead from 1.84x to 2.12x dense "
                              "tokens/s with the same blocks fetched: bench/decode_throughput.py)")
+    parser.add_argument("--miss-policy", choices=["wait", "skip"], default=None,
+                        help="lookahead: when a layer's prefetch has not landed, 'wait' for it (default) or 'skip' it "
+                             "(attend without the blocks still in flight; the model never blocks on a prefetch); "
+                             "counted either way (oasiskv_prefetch_waits_total / oasiskv_prefetch_skips_total)")
     parser.add_argument("--summary-kind", choices=["moments", "minmax"], default=None,
                         help="how blocks' keys are summarized for the sparse modes' ranking: 'moments' (mean +- std) or "
                              "'minmax' (Quest's box); same bytes (default: moments)")
@@ -79,7 +83,7 @@ def config_from_args(args: argparse.Namespace):
               "num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter}
     # Options left unset keep DecodeConfig's defaults (the flags are named after its fields).
     for name in ("max_replace_fraction", "lookahead_topup_blocks", "prefetch_rank_fraction", "lookahead_layer_group",
-                 "draft_window_tokens", "draft_catch_up_budget"):
+                 "draft_window_tokens", "draft_catch_up_budget", "miss_policy"):
         if getattr(args, name) is not None:
             decode[name] = getattr(args, name)
     fields = dict(model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,

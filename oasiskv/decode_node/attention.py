@@ -269,6 +269,8 @@ class SparseAttention:
         todo = []  # (layer, request, query rows, cap)
         for layer, work in batches:
             for req, query in work:
+                if not wait and self.miss_policy == "skip" and not self._landed(req.ws, layer):
+                    continue  # its last prefetch is still landing: a new plan would have to wait for it
                 budget = min(req.budget_blocks, req.ws.plan.budget)
                 c = cap if wait else replacement_cap(req.ws, layer, budget * self.max_replace_fraction)
                 if c != 0:  # a request that may move nothing is not ranked: its selection would be thrown away
@@ -293,18 +295,24 @@ class SparseAttention:
         """Issue the fetches (layer, working set, plan) of every request as one I/O job."""
         reads = []
         for layer, ws, plan in fetches:
+            previous = ws.pending[layer]
+            if previous is not None:  # at most one transfer per layer in flight: finish the older one
+                previous.wait(self.fetch_timeout_s)
+                ws.in_flight[layer] = False
             # numpy, not torch: a handful of tiny index operations per request and layer.
             slots = self.pool.unit_ids(ws.rows.numpy()[plan.row_indices], layer, plan.heads)
             reads.append((ws.request_id, layer, plan.heads, plan.blocks, self.pool.tensor, slots))
             ws.in_flight.numpy()[layer, plan.heads, plan.row_indices] = True
-            previous = ws.pending[layer]
-            if previous is not None:  # at most one transfer per layer in flight: finish the older one
-                previous.wait(self.fetch_timeout_s)
             self.counters.blocks_fetched += len(plan)
             self.counters.bytes_fetched += len(plan) * self.pool.layout.unit_bytes
         handle = self.client.read_many(reads)
         for layer, ws, _ in fetches:
             ws.pending[layer] = handle
+
+    @staticmethod
+    def _landed(ws: WorkingSet, layer: int) -> bool:
+        handle = ws.pending[layer]
+        return handle is None or handle.done()
 
     def _await_layer(self, ws: WorkingSet, layer: int, on_demand: bool = False) -> None:
         handle = ws.pending[layer]

@@ -64,7 +64,11 @@ class DecodeConfig(BaseModel):
     recall_sample_steps: int = Field(
         8, ge=1, description="the prediction-recall counter scores the current query every Nth step (it cost 13% of a step)"
     )
-    miss_policy: Literal["wait", "skip"] = "wait"
+    miss_policy: Literal["wait", "skip"] = Field(
+        "wait", description="lookahead: a layer whose prefetch has not landed when it runs 'wait's for it, or 'skip's "
+        "it (attends without the rows still in flight, and plans that layer's next prefetch only once this one has "
+        "landed, so the model never blocks on a prefetch); counted either way (prefetch_waits / prefetch_skips)",
+    )
     attention_kernel: Literal["auto", "torch", "triton"] = Field(
         "auto", description="sparse attention: 'triton' reads K/V from the pool by unit id (CUDA, or TRITON_INTERPRET=1); "
         "'torch' gathers them first; 'auto' = triton on CUDA when it is installed, else torch",

@@ -64,6 +64,13 @@ def test_lookahead_layer_group_reaches_the_decode_config():
         _config("--lookahead-layer-group", "0")
 
 
+def test_miss_policy_reaches_the_decode_config():
+    assert _config().decode.miss_policy == "wait"
+    assert _config("--miss-policy", "skip").decode.miss_policy == "skip"
+    with pytest.raises(SystemExit):  # argparse: not one of the choices
+        _config("--miss-policy", "drop")
+
+
 def test_draft_model_options_reach_the_decode_config():
     decode = _config().decode
     assert (decode.draft_window_tokens, decode.draft_catch_up_budget) == (1024, None)

@@ -21,7 +21,7 @@ COUNTERS = [
     "oasiskv_decode_blocks_fetched_total", "oasiskv_decode_bytes_fetched_total",
     "oasiskv_decode_admission_bytes_fetched_total", "oasiskv_decode_summary_bytes_fetched_total",
     "oasiskv_prefetch_hits_total", "oasiskv_prefetch_misses_total", "oasiskv_prefetch_waits_total",
-    "oasiskv_decode_on_demand_waits_total",
+    "oasiskv_prefetch_skips_total", "oasiskv_decode_fetch_wait_seconds_total", "oasiskv_decode_on_demand_waits_total",
     "oasiskv_drafts_proposed_total", "oasiskv_drafts_accepted_total",
 ]
 HISTOGRAMS = ["oasiskv_request_ttft_seconds", "oasiskv_request_itl_seconds",

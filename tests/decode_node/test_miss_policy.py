@@ -1,0 +1,104 @@
+"""The miss policy on a real model and store whose reads are slowed down, so look-ahead
+prefetches have not landed when their layer runs: `wait` blocks for them and decodes exactly as
+with fast reads; `skip` attends without them and never blocks the model on a prefetch."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+
+from oasiskv.decode_node import io_thread
+from oasiskv.decode_node.config import DecodeConfig
+from oasiskv.decode_node.engine import DecodeEngine
+from oasiskv.kvstore import KVStore, connect
+from oasiskv.models.sampling import SamplingParams
+from oasiskv.prefill_node.prefill import Prefiller
+
+from ..conftest import stdlib_source
+
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+SMALL = dict(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
+
+
+class DelayedReads:
+    """A store client whose every block read starts `seconds` late (a slow link). It runs on the
+    engine's I/O thread, so the reads queued behind it are late too."""
+
+    def __init__(self, client, seconds: float):
+        self.client = client
+        self.seconds = seconds
+
+    def read_blocks(self, *args, **kwargs):
+        time.sleep(self.seconds)
+        return self.client.read_blocks(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
+@pytest.fixture(scope="module")
+def store():
+    return KVStore(256 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_llm):
+    ids = smollm2_llm.encode(stdlib_source("argparse.py"))
+    return [ids[:640], ids[3000:3530]]
+
+
+@pytest.fixture
+def blocking_waits(monkeypatch):
+    """The callers of every transfer wait that had to block (its transfer had not finished)."""
+    callers = []
+    wait = io_thread.FetchHandle.wait
+
+    def recording(self, timeout=None):
+        if not self.future.done():
+            callers.append(sys._getframe(1).f_code.co_name)
+        return wait(self, timeout)
+
+    monkeypatch.setattr(io_thread.FetchHandle, "wait", recording)
+    return callers
+
+
+def _run(smollm2_llm, store, prompts, config, tag, delay_s=0.0):
+    client = connect(store)
+    engine_client = DelayedReads(client, delay_s) if delay_s else client
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, engine_client, config)
+    prefiller = Prefiller(smollm2_llm.model, client)
+    for i, prompt in enumerate(prompts):
+        result = prefiller.prefill(f"{tag}-{i}", prompt, GREEDY, budget_blocks=config.budget_blocks,
+                                   excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks)
+        engine.add(result, GREEDY)
+    outputs = engine.run_to_completion()
+    assert engine.pool.allocator.num_free == engine.pool.num_rows
+    assert store.stats().num_requests == 0
+    return engine.counters, [outputs[f"{tag}-{i}"].token_ids for i in range(len(prompts))]
+
+
+def test_wait_blocks_for_late_prefetches_and_decodes_as_if_they_were_on_time(smollm2_llm, store, prompts):
+    on_time, reference = _run(smollm2_llm, store, prompts, DecodeConfig(miss_policy="wait", **SMALL), "wait-fast")
+    late, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(miss_policy="wait", **SMALL), "wait-slow",
+                        delay_s=0.03)
+    assert tokens == reference
+    assert late.blocks_fetched == on_time.blocks_fetched > 0  # the same plans, only later
+    assert late.prefetch_waits > 0 and late.fetch_wait_s > 0
+    assert late.prefetch_misses == late.prefetch_waits
+    assert late.prefetch_skips == 0
+
+
+def test_skip_attends_without_late_prefetches_and_never_blocks_on_one(smollm2_llm, store, prompts, blocking_waits):
+    counters, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(miss_policy="skip", **SMALL), "skip-slow",
+                            delay_s=0.03)
+    assert all(len(t) == GREEDY.max_tokens for t in tokens)
+    assert counters.prefetch_skips > 0
+    assert counters.prefetch_misses == counters.prefetch_skips
+    assert counters.prefetch_waits == 0 and counters.fetch_wait_s == 0
+    # The model thread blocked only for admission's first working set and where rows must not be
+    # reused under a landing transfer (a finished request's, a ring row's write-back), never in a
+    # layer for a prefetch.
+    assert blocking_waits, "the reads were not slow enough to test anything"
+    assert set(blocking_waits) <= {"_admit", "_finish", "step"}, blocking_waits
