@@ -186,7 +186,7 @@ class Timers:
         self._wrap(backend, "_track_recall", "recall_counter")
         self._wrap(backend, "_attend_resident", "attention")
         original_select = backend._select_and_fetch
-        original_await = backend._await_layer
+        original_await = backend.transfers.await_layer
 
         def select(*a, **kw):
             self._selecting = True
@@ -205,7 +205,7 @@ class Timers:
                 self._add("on_demand_wait" if self._selecting else "prefetch_wait", time.perf_counter() - started)
 
         backend._select_and_fetch = select
-        backend._await_layer = await_layer
+        backend.transfers.await_layer = await_layer
         model = engine.model
         timers = self
 

@@ -2,7 +2,7 @@
 
 `SparseAttention` is the decode node's `AttentionBackend`. For every layer of a verification
 pass (1 + k rows per request) it:
-  1. waits for that layer's prefetch from the previous step (or skips missing blocks);
+  1. waits for that layer's prefetch from the previous step, or skips it (`transfers`);
   2. [sparse-current] scores blocks with the current query and fetches the top-K now;
   3. writes the new rows' K/V into the request's window ring;
   4. attends over the resident rows (sinks, window, selected) with the shared attention core;
@@ -16,7 +16,6 @@ pass (1 + k rows per request) it:
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +34,7 @@ from ..models.attention import (
 from .counters import DecodeCounters
 from .lookahead import PlanRequest, Selection, plan_replacements_many, recall, replacement_cap, select_blocks_batched
 from .summary_pages import PagedLayer, SummaryPages
+from .transfers import LayerTransfers
 from .triton_attention import sparse_paged_attention
 from .working_set import EMPTY, DevicePool, WorkingSet
 
@@ -92,13 +92,11 @@ class SparseAttention:
                  use_triton: bool = False, topup_blocks: int = 0, prefetch_rank_fraction: float = 0.25,
                  layer_group: int = 1):
         self.pool = pool
-        self.client = client
         self.sliding_window = sliding_window
         self.scale = scale
         self.max_replace_fraction = max_replace_fraction
-        self.miss_policy = miss_policy
         self.counters = counters
-        self.fetch_timeout_s = fetch_timeout_s
+        self.transfers = LayerTransfers(pool, client, counters, miss_policy, fetch_timeout_s)
         self.recall_sample_steps = recall_sample_steps
         self.use_triton = use_triton
         self.topup_blocks = topup_blocks
@@ -173,7 +171,7 @@ class SparseAttention:
     # -- the backend call ----------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         for req in self.requests:
-            self._await_layer(req.ws, layer)
+            self.transfers.await_layer(req.ws, layer)
         row_starts = self._row_starts().tolist()
         current = [q[start : start + 1] for start in row_starts]  # each request's current query
         sparse = [i for i, r in enumerate(self.requests) if r.mode != "dense" and r.ws.plan.budget]
@@ -269,8 +267,8 @@ class SparseAttention:
         todo = []  # (layer, request, query rows, cap)
         for layer, work in batches:
             for req, query in work:
-                if not wait and self.miss_policy == "skip" and not self._landed(req.ws, layer):
-                    continue  # its last prefetch is still landing: a new plan would have to wait for it
+                if not wait and not self.transfers.may_plan(req.ws, layer):
+                    continue
                 budget = min(req.budget_blocks, req.ws.plan.budget)
                 c = cap if wait else replacement_cap(req.ws, layer, budget * self.max_replace_fraction)
                 if c != 0:  # a request that may move nothing is not ranked: its selection would be thrown away
@@ -286,57 +284,10 @@ class SparseAttention:
             ])
             fetches = [(layer, req.ws, plan) for (layer, req, _, _), plan in zip(todo, plans) if len(plan)]
             if fetches:
-                self._fetch(fetches)
+                self.transfers.issue(fetches)
         if wait:
             for layer, ws, _ in fetches:
-                self._await_layer(ws, layer, on_demand=True)
-
-    def _fetch(self, fetches: list[tuple[int, WorkingSet, object]]) -> None:
-        """Issue the fetches (layer, working set, plan) of every request as one I/O job."""
-        reads = []
-        for layer, ws, plan in fetches:
-            previous = ws.pending[layer]
-            if previous is not None:  # at most one transfer per layer in flight: finish the older one
-                previous.wait(self.fetch_timeout_s)
-                ws.in_flight[layer] = False
-            # numpy, not torch: a handful of tiny index operations per request and layer.
-            slots = self.pool.unit_ids(ws.rows.numpy()[plan.row_indices], layer, plan.heads)
-            reads.append((ws.request_id, layer, plan.heads, plan.blocks, self.pool.tensor, slots))
-            ws.in_flight.numpy()[layer, plan.heads, plan.row_indices] = True
-            self.counters.blocks_fetched += len(plan)
-            self.counters.bytes_fetched += len(plan) * self.pool.layout.unit_bytes
-        handle = self.client.read_many(reads)
-        for layer, ws, _ in fetches:
-            ws.pending[layer] = handle
-
-    @staticmethod
-    def _landed(ws: WorkingSet, layer: int) -> bool:
-        handle = ws.pending[layer]
-        return handle is None or handle.done()
-
-    def _await_layer(self, ws: WorkingSet, layer: int, on_demand: bool = False) -> None:
-        handle = ws.pending[layer]
-        if handle is None:
-            return
-        if handle.done():
-            if not on_demand:
-                self.counters.prefetch_hits += 1
-        elif self.miss_policy == "skip" and not on_demand:
-            self.counters.prefetch_misses += 1
-            self.counters.prefetch_skips += 1
-            return  # in-flight rows stay masked out for this step
-        else:
-            if not on_demand:
-                self.counters.prefetch_misses += 1
-            started = time.perf_counter()
-            handle.wait(self.fetch_timeout_s)
-            self.counters.fetch_wait_s += time.perf_counter() - started
-            if on_demand:
-                self.counters.on_demand_waits += 1
-            else:
-                self.counters.prefetch_waits += 1
-        ws.pending[layer] = None
-        ws.in_flight[layer] = False
+                self.transfers.await_layer(ws, layer, on_demand=True)
 
     def _track_recall(self, samples: list[tuple[int, StepRequest, torch.Tensor, torch.Tensor]]) -> None:
         """How many of each current query's top-K blocks were resident (predicted) when it

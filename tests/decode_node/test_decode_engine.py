@@ -233,6 +233,59 @@ def test_request_larger_than_the_pool_is_refused(smollm2_llm, store, prompts):
         client.free("no-room")
 
 
+def test_bad_per_request_overrides_are_refused(smollm2_llm, store, prompts):
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, DecodeConfig(kv_pool_gb=0.25))
+    result = Prefiller(smollm2_llm.model, client).prefill("bad-override", prompts[0])
+    try:
+        with pytest.raises(ValueError, match="mode must be"):
+            engine.add(result, GREEDY, mode="sparse")
+        for budget in (0, 100):
+            with pytest.raises(ValueError, match="budget_tokens must be a positive multiple of 16"):
+                engine.add(result, GREEDY, budget_tokens=budget)
+        assert not engine.waiting
+    finally:
+        engine.close()
+        client.free("bad-override")
+    assert store.stats().num_requests == 0
+
+
+def test_a_request_that_ends_at_its_first_token_never_takes_pool_rows(smollm2_llm, store, prompts):
+    """max_tokens=1: the prefill's token is the whole output; admission gives the store's KV back
+    without fetching anything."""
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, DecodeConfig(kv_pool_gb=0.25))
+    one = SamplingParams(max_tokens=1, ignore_eos=True)
+    result = Prefiller(smollm2_llm.model, client).prefill("one-token", prompts[0], one)
+    engine.add(result, one)
+    outputs = engine.run_to_completion()
+    assert outputs["one-token"].token_ids == [result.first_token]
+    assert outputs["one-token"].finish_reason == "length"
+    assert engine.counters.steps == 0 and engine.counters.admission_bytes_fetched == 0
+    assert store.stats().num_requests == 0
+    engine.close()
+
+
+def test_aborting_a_waiting_request_frees_its_store_memory(smollm2_llm, store, prompts):
+    """The pool holds one request; the second waits, and aborting it gives its KV back at once."""
+    client = connect(store)
+    config = DecodeConfig(mode="dense", kv_pool_gb=0.25)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config)
+    prefiller = Prefiller(smollm2_llm.model, client)
+    rows = engine.row_plan(len(prompts[0]), GREEDY.max_tokens).total
+    engine.pool.allocator.allocate(engine.pool.num_rows - rows)  # room for exactly one request
+    for i in range(2):
+        engine.add(prefiller.prefill(f"abort-waiting-{i}", prompts[0], GREEDY), GREEDY)
+    engine.step()
+    assert [r.request_id for r in engine.running] == ["abort-waiting-0"]
+    assert [r.request_id for r in engine.waiting] == ["abort-waiting-1"]
+    engine.abort("abort-waiting-1")
+    assert not engine.waiting and store.stats().num_requests == 1
+    engine.abort("abort-waiting-0")
+    assert not engine.running and store.stats().num_requests == 0
+    engine.close()
+
+
 def test_config_validates_early():
     with pytest.raises(ValueError, match="multiple of block_size"):
         DecodeConfig(budget_tokens=100)
