@@ -132,11 +132,12 @@ BF16_CASE = Case(seqs=2, kv_heads=2, group=7, rows=4, units=5, window=40, blind_
 def comparisons():
     """name -> (inputs, tolerance) for every kernel-vs-torch comparison."""
     found = {case_id(c): (make_inputs(c), 1e-4) for c in CASES}
-    # bf16 widens to fp32 exactly on both sides, then both compute in fp32: only the order of
-    # summation differs, but allow for it.
-    for query_dtype in (torch.float32, torch.bfloat16):
+    # fp32 queries: both sides widen the bf16 pool exactly and compute in fp32; only the order
+    # of summation differs. bf16 queries: the kernel still computes in fp32, the torch path in
+    # SDPA's bf16 (fp32 scores and softmax, probabilities and output rounded to bf16, 2^-8).
+    for query_dtype, tolerance in ((torch.float32, 2e-3), (torch.bfloat16, 1.5e-2)):
         inputs = make_inputs(BF16_CASE, pool_dtype=torch.bfloat16, query_dtype=query_dtype)
-        found[f"bf16-pool-{str(query_dtype).removeprefix('torch.')}-queries"] = (inputs, 2e-3)
+        found[f"bf16-pool-{str(query_dtype).removeprefix('torch.')}-queries"] = (inputs, tolerance)
     queries, pool, _, _, query_positions, _, scale = make_inputs(CASES[0])
     no_units = torch.zeros(1, 1, 0, dtype=torch.long)
     found["no-units"] = ((queries, pool, no_units, no_units, query_positions, None, scale), 1e-4)
