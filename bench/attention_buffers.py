@@ -15,7 +15,6 @@ Writes bench/results/attention_buffers.json and a PNG.
 from __future__ import annotations
 
 import argparse
-import platform
 import resource
 import statistics
 import sys
@@ -23,17 +22,15 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
 from oasiskv.models.attention import AttentionBatch, AttentionBuffers, attend_slots  # noqa: E402
 
-from bench.common import grouped_bar_positions, label_context_axes, write_results  # noqa: E402
+from bench.attention_grid import add_grid_arguments, finish_grid_axes, grid_bars, parse_grid, run_grid  # noqa: E402
 
 BLOCK = 16
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def paged_caches(layers: int, batch: int, context: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
@@ -87,54 +84,26 @@ def run_config(args, context: int, rows: int, dtype: torch.dtype) -> dict:
 
 
 def plot(results: dict, axes) -> None:
-    series = [(r, d) for d in results["dtypes"] for r in results["rows"]]
-    contexts = [{"context": c} for c in results["contexts"]]
-    width, xs = grouped_bar_positions(len(series), len(contexts))
-    by_key = {(e["context"], e["rows"], e["dtype"]): e for e in results["configs"]}
-    for (rows, dtype), x in zip(series, xs):
-        entries = [by_key[(c["context"], rows, dtype)] for c in contexts]
-        label = f"{dtype}, {rows} row{'s' if rows > 1 else ''}"
-        axes[0].bar(x, [e["ratio"] for e in entries], width, label=label)
-        axes[1].bar(x, [e["fresh_minor_faults"] for e in entries], width, label=label)
+    grid_bars(results, axes, (lambda e: e["ratio"], lambda e: e["fresh_minor_faults"]))
     axes[0].axhline(1.0, color="black", linewidth=0.8)
     axes[0].set_ylabel("step time, fresh / reused (higher: buffers faster)")
     most_reused = max(e["reused_minor_faults"] for e in results["configs"])
     axes[1].set_ylabel(f"minor page faults per step, fresh tensors\n(reused buffers: at most {most_reused:.0f})")
-    label_context_axes(axes, contexts)
+    finish_grid_axes(results, axes)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--contexts", default="8192,16384,32768")
-    parser.add_argument("--rows", default="1,4", help="query rows per sequence per step")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per step (dense fits 4 in the decode bench)")
-    parser.add_argument("--layers", type=int, default=24, help="Qwen2.5-Coder-0.5B has 24")
-    parser.add_argument("--kv-heads", type=int, default=2)
-    parser.add_argument("--group", type=int, default=7, help="query heads per KV head")
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", default=str(ROOT / "results"))
+    add_grid_arguments(parser, contexts="8192,16384,32768", dtypes="float32,bfloat16", model="Qwen2.5-Coder-0.5B",
+                       layers=24, group=7, head_dim=64, out=ROOT / "results")
     args = parser.parse_args()
-    contexts = [int(c) for c in args.contexts.split(",")]
-    rows = [int(r) for r in args.rows.split(",")]
-    dtypes = args.dtypes.split(",")
-    unknown = [d for d in dtypes if d not in DTYPES]
-    if unknown:
-        parser.error(f"unknown dtype(s) {unknown}; choose from {sorted(DTYPES)}")
-    configs = [(c, r, d) for c in contexts for d in dtypes for r in rows]
-    results = []
-    for context, r, d in tqdm(configs, desc="attention configs"):
-        entry = run_config(args, context, r, DTYPES[d])
-        results.append(entry)
-        tqdm.write(f"{context:>6} {d:>8} rows {r}: fresh {entry['fresh_s'] * 1e3:7.1f} ms, reused "
-                   f"{entry['reused_s'] * 1e3:7.1f} ms, {entry['ratio']:.2f}x; faults "
-                   f"{entry['fresh_minor_faults']:.0f} vs {entry['reused_minor_faults']:.0f}")
-    write_results(Path(args.out), "attention_buffers", {
-        "machine": platform.machine(), "threads": torch.get_num_threads(), "batch": args.batch,
-        "layers": args.layers, "kv_heads": args.kv_heads, "group": args.group, "head_dim": args.head_dim,
-        "repeats": args.repeats, "contexts": contexts, "rows": rows, "dtypes": dtypes, "configs": results,
-    }, plot)
+    grid = parse_grid(parser, args)
+
+    def describe(entry: dict) -> str:
+        return (f"fresh {entry['fresh_s'] * 1e3:7.1f} ms, reused {entry['reused_s'] * 1e3:7.1f} ms, "
+                f"{entry['ratio']:.2f}x; faults {entry['fresh_minor_faults']:.0f} vs {entry['reused_minor_faults']:.0f}")
+
+    run_grid(args, "attention_buffers", grid, run_config, describe, plot)
 
 
 if __name__ == "__main__":
