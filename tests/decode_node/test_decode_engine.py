@@ -16,44 +16,16 @@ from oasiskv.models.sampling import SamplingParams
 from oasiskv.prefill_node.prefill import Prefiller
 
 from ..conftest import stdlib_source
-
-GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def store():
-    return KVStore(256 * 2**20)
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm2_llm):
-    ids = smollm2_llm.encode(stdlib_source("argparse.py"))
-    # ~40 and ~33 blocks: most of each prompt lies outside the sinks and the window.
-    return [ids[:640], ids[3000:3530]]
-
+from .conftest import GREEDY, run_engine
 
 @pytest.fixture(scope="module")
 def reference(smollm2_llm, prompts):
     return [o.token_ids for o in smollm2_llm.generate(prompts, GREEDY)]
 
 
-def _run(smollm2_llm, store, prompts, config, params=GREEDY, drafter=None, tag=""):
-    client = connect(store)
-    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config, drafter=drafter)
-    prefiller = Prefiller(smollm2_llm.model, client)
-    for i, prompt in enumerate(prompts):
-        result = prefiller.prefill(
-            f"{config.mode}{tag}-{i}", prompt, params, budget_blocks=config.budget_blocks,
-            excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks,
-        )
-        engine.add(result, params)
-    outputs = engine.run_to_completion()
-    return engine, [outputs[f"{config.mode}{tag}-{i}"].token_ids for i in range(len(prompts))]
-
-
 @pytest.mark.parametrize("mode", ["dense", "sparse-current", "lookahead"])
 def test_full_budget_matches_the_single_process_engine(smollm2_llm, store, prompts, reference, mode):
-    engine, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(mode=mode, budget_tokens=2048, kv_pool_gb=0.25))
+    engine, tokens = run_engine(smollm2_llm, store, prompts, DecodeConfig(mode=mode, budget_tokens=2048, kv_pool_gb=0.25))
     assert tokens == reference
     counters = engine.counters
     assert counters.drafts_proposed > 0
@@ -66,7 +38,7 @@ def test_full_budget_matches_the_single_process_engine(smollm2_llm, store, promp
 
 
 def test_plain_decoding_with_k_zero(smollm2_llm, store, prompts, reference):
-    engine, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(num_draft_tokens=0, kv_pool_gb=0.25), tag="-k0")
+    engine, tokens = run_engine(smollm2_llm, store, prompts, DecodeConfig(num_draft_tokens=0, kv_pool_gb=0.25), tag="-k0")
     assert tokens == reference
     assert engine.counters.drafts_proposed == 0
     assert engine.counters.steps == GREEDY.max_tokens - 1  # one token per step after the prefill's
@@ -74,7 +46,7 @@ def test_plain_decoding_with_k_zero(smollm2_llm, store, prompts, reference):
 
 def test_small_budget_fetches_only_the_predicted_blocks(smollm2_llm, store, prompts):
     config = DecodeConfig(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
-    engine, tokens = _run(smollm2_llm, store, prompts, config, tag="-small")
+    engine, tokens = run_engine(smollm2_llm, store, prompts, config, tag="-small")
     counters = engine.counters
     assert all(len(t) == GREEDY.max_tokens for t in tokens)
     assert 0.0 < counters.prediction_recall < 1.0
@@ -93,17 +65,17 @@ def test_lookahead_topped_up_to_the_whole_budget_attends_as_sparse_current(smoll
     """A top-up as large as the budget fetches every block of the current query's top-K that the
     prediction missed before attending: the attended set is sparse-current's, so are the tokens."""
     small = dict(budget_tokens=160, kv_pool_gb=0.25)
-    _, current = _run(smollm2_llm, store, prompts, DecodeConfig(mode="sparse-current", **small), tag="-topup-ref")
-    pure, predicted = _run(smollm2_llm, store, prompts, DecodeConfig(mode="lookahead", **small), tag="-topup0")
+    _, current = run_engine(smollm2_llm, store, prompts, DecodeConfig(mode="sparse-current", **small), tag="-topup-ref")
+    pure, predicted = run_engine(smollm2_llm, store, prompts, DecodeConfig(mode="lookahead", **small), tag="-topup0")
     config = DecodeConfig(mode="lookahead", lookahead_topup_blocks=160 // 16, **small)
-    topped, tokens = _run(smollm2_llm, store, prompts, config, tag="-topup")
+    topped, tokens = run_engine(smollm2_llm, store, prompts, config, tag="-topup")
     assert tokens == current
     assert topped.counters.blocks_fetched > pure.counters.blocks_fetched  # the top-up fetched on demand
     assert topped.pool.allocator.num_free == topped.pool.num_rows
 
 
 def test_sparse_current_counts_its_fetches_as_on_demand_not_as_prefetches(smollm2_llm, store, prompts):
-    engine, _ = _run(smollm2_llm, store, prompts, DecodeConfig(mode="sparse-current", budget_tokens=160, kv_pool_gb=0.25),
+    engine, _ = run_engine(smollm2_llm, store, prompts, DecodeConfig(mode="sparse-current", budget_tokens=160, kv_pool_gb=0.25),
                      tag="-ondemand")
     c = engine.counters
     assert c.blocks_fetched > 0
@@ -116,8 +88,8 @@ def test_a_shallow_prefetch_depth_fetches_fewer_blocks(smollm2_llm, store, promp
     """prefetch_rank_fraction: only blocks the prediction ranks near the top are worth a transfer;
     the rest of the top-K is kept when resident. Same prompts, same budget: fewer blocks move."""
     small = dict(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
-    full, _ = _run(smollm2_llm, store, prompts, DecodeConfig(prefetch_rank_fraction=1.0, **small), tag="-depth1")
-    shallow, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(prefetch_rank_fraction=0.2, **small), tag="-depth")
+    full, _ = run_engine(smollm2_llm, store, prompts, DecodeConfig(prefetch_rank_fraction=1.0, **small), tag="-depth1")
+    shallow, tokens = run_engine(smollm2_llm, store, prompts, DecodeConfig(prefetch_rank_fraction=0.2, **small), tag="-depth")
     assert all(len(t) == GREEDY.max_tokens for t in tokens)
     assert 0 < shallow.counters.blocks_fetched < full.counters.blocks_fetched
     assert shallow.pool.allocator.num_free == shallow.pool.num_rows
@@ -200,7 +172,7 @@ def test_self_drafting_model_matches_and_is_accepted(smollm2_llm, store, prompts
     model, tok = smollm2_llm.model, smollm2_llm.tokenizer
     drafter = DraftModelDrafter(model, model.config.vocab_size, tok, tok, window_tokens=256, max_chunk=64,
                                 catch_up_budget=catch_up_budget)
-    engine, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(kv_pool_gb=0.25), drafter=drafter,
+    engine, tokens = run_engine(smollm2_llm, store, prompts, DecodeConfig(kv_pool_gb=0.25), drafter=drafter,
                           tag=f"-draft{catch_up_budget}")
     assert tokens == reference
     assert engine.counters.acceptance_rate > 0.5  # the same model drafting, with a bounded window

@@ -11,14 +11,9 @@ import pytest
 
 from oasiskv.decode_node import io_thread
 from oasiskv.decode_node.config import DecodeConfig
-from oasiskv.decode_node.engine import DecodeEngine
-from oasiskv.kvstore import KVStore, connect
-from oasiskv.models.sampling import SamplingParams
-from oasiskv.prefill_node.prefill import Prefiller
 
-from ..conftest import stdlib_source
+from .conftest import GREEDY, run_engine
 
-GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 SMALL = dict(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
 
 
@@ -38,17 +33,6 @@ class DelayedReads:
         return getattr(self.client, name)
 
 
-@pytest.fixture(scope="module")
-def store():
-    return KVStore(256 * 2**20)
-
-
-@pytest.fixture(scope="module")
-def prompts(smollm2_llm):
-    ids = smollm2_llm.encode(stdlib_source("argparse.py"))
-    return [ids[:640], ids[3000:3530]]
-
-
 @pytest.fixture
 def blocking_waits(monkeypatch):
     """The callers of every transfer wait that had to block (its transfer had not finished)."""
@@ -65,23 +49,17 @@ def blocking_waits(monkeypatch):
 
 
 def _run(smollm2_llm, store, prompts, config, tag, delay_s=0.0):
-    client = connect(store)
-    engine_client = DelayedReads(client, delay_s) if delay_s else client
-    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, engine_client, config)
-    prefiller = Prefiller(smollm2_llm.model, client)
-    for i, prompt in enumerate(prompts):
-        result = prefiller.prefill(f"{tag}-{i}", prompt, GREEDY, budget_blocks=config.budget_blocks,
-                                   excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks)
-        engine.add(result, GREEDY)
-    outputs = engine.run_to_completion()
+    """Decode both prompts, through reads `delay_s` late when it is set; everything is given back."""
+    wrap = (lambda client: DelayedReads(client, delay_s)) if delay_s else None
+    engine, tokens = run_engine(smollm2_llm, store, prompts, config, tag=tag, wrap_client=wrap)
     assert engine.pool.allocator.num_free == engine.pool.num_rows
     assert store.stats().num_requests == 0
-    return engine.counters, [outputs[f"{tag}-{i}"].token_ids for i in range(len(prompts))]
+    return engine.counters, tokens
 
 
 def test_wait_blocks_for_late_prefetches_and_decodes_as_if_they_were_on_time(smollm2_llm, store, prompts):
-    on_time, reference = _run(smollm2_llm, store, prompts, DecodeConfig(miss_policy="wait", **SMALL), "wait-fast")
-    late, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(miss_policy="wait", **SMALL), "wait-slow",
+    on_time, reference = _run(smollm2_llm, store, prompts, DecodeConfig(miss_policy="wait", **SMALL), "-wait-fast")
+    late, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(miss_policy="wait", **SMALL), "-wait-slow",
                         delay_s=0.03)
     assert tokens == reference
     assert late.blocks_fetched == on_time.blocks_fetched > 0  # the same plans, only later
@@ -91,7 +69,7 @@ def test_wait_blocks_for_late_prefetches_and_decodes_as_if_they_were_on_time(smo
 
 
 def test_skip_attends_without_late_prefetches_and_never_blocks_on_one(smollm2_llm, store, prompts, blocking_waits):
-    counters, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(miss_policy="skip", **SMALL), "skip-slow",
+    counters, tokens = _run(smollm2_llm, store, prompts, DecodeConfig(miss_policy="skip", **SMALL), "-skip-slow",
                             delay_s=0.03)
     assert all(len(t) == GREEDY.max_tokens for t in tokens)
     assert counters.prefetch_skips > 0
