@@ -17,8 +17,7 @@ from .working_set import DevicePool, WorkingSet
 
 class LayerTransfers:
     def __init__(self, pool: DevicePool, client, counters: DecodeCounters, miss_policy: str, timeout_s: float):
-        if miss_policy not in ("wait", "skip"):
-            raise ValueError(f"miss_policy must be 'wait' or 'skip', got {miss_policy!r}")
+        """miss_policy: 'wait' or 'skip', as DecodeConfig validated it."""
         self.pool = pool
         self.client = client
         self.counters = counters
