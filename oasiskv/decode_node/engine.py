@@ -34,6 +34,14 @@ from .working_set import DevicePool, RowPlan, WorkingSet, plan_rows
 
 
 @dataclass
+class WriteBack:
+    """A write-back in flight and the pool rows (ring rows) it reads from."""
+
+    handle: object
+    rows: set[int]
+
+
+@dataclass
 class DecodeRequest:
     request_id: str
     prompt_ids: list[int]
@@ -46,7 +54,7 @@ class DecodeRequest:
     generator: torch.Generator | None = None
     text: str = ""
     finish_reason: str | None = None
-    write_backs: list = field(default_factory=list)
+    write_backs: list[WriteBack] = field(default_factory=list)
     mode: str = "lookahead"
     summary_kind: str = DEFAULT_SUMMARY_KIND  # how the store summarized the prompt (its KVLayout); write-back matches it
     # A prefill that predicted no working set (vLLM prefill has no queries to give) makes the
@@ -205,16 +213,13 @@ class DecodeEngine:
                 raise RuntimeError("no request fits the device KV pool although it is empty")
             return outputs
         reqs = list(self.running)
-        for req in reqs:  # a ring row is reused only after its write-back has landed
-            for handle in req.write_backs:
-                handle.wait(self.config.fetch_timeout_s)
-            req.write_backs.clear()
         k = self.config.num_draft_tokens
         drafts = self._propose(reqs, k)
         ids, positions, step_reqs = [], [], []
         for req, draft in zip(reqs, drafts):
             tokens = [req.output_ids[-1]] + draft.tokens
             pos = torch.arange(req.num_kv, req.num_kv + len(tokens))
+            self._settle_write_backs(req, pos)
             ids.extend(tokens)
             positions.append(pos)
             mode, req.first_step_mode = req.first_step_mode or req.mode, None
@@ -252,6 +257,23 @@ class DecodeEngine:
         drafts = self.drafter.propose([r.request_id for r in reqs], [r.history for r in reqs], k, [r.params for r in reqs])
         return [Draft(d.tokens[:b], None if d.probs is None else d.probs[:b]) for d, b in zip(drafts, budgets)]
 
+    def _settle_write_backs(self, req: DecodeRequest, positions: torch.Tensor) -> None:
+        """Wait only for the write-backs whose ring rows this step writes into (a ring row comes
+        round again a window later); forget those that have landed. Waiting for every write-back
+        at the next step blocked the model behind a slow link's queued prefetches."""
+        if not req.write_backs:
+            return
+        bs, ws = self.layout.block_size, req.ws
+        written = {int(ws.rows[ws.ring_index(block)])
+                   for block in range(int(positions[0]) // bs, int(positions[-1]) // bs + 1)}
+        pending = []
+        for write_back in req.write_backs:
+            if write_back.rows & written:
+                write_back.handle.wait(self.config.fetch_timeout_s)
+            elif not write_back.handle.done():
+                pending.append(write_back)
+        req.write_backs = pending
+
     def _write_back(self, req: DecodeRequest, old_kv: int) -> None:
         """Blocks completed this step go to the store (KV + summaries), so they stay fetchable
         after they leave the window."""
@@ -268,10 +290,11 @@ class DecodeEngine:
         block_ids = torch.tensor(list(done))[:, None, None].expand_as(units)
         layers = layer_ids[None, :, None].expand_as(units)
         heads = head_ids[None, None, :].expand_as(units)
-        req.write_backs.append(self.client.write_blocks(
+        handle = self.client.write_blocks(
             req.request_id, layers.reshape(-1).numpy(), heads.reshape(-1).numpy(), block_ids.reshape(-1).numpy(),
             self.pool.tensor, units.reshape(-1).numpy(),
-        ))
+        )
+        req.write_backs.append(WriteBack(handle, set(rows.tolist())))
         self.counters.blocks_written_back += len(done)
         keys = self.pool.units[units][:, :, :, 0]  # [blocks, layers, heads, bs, d]
         summaries = summarize_keys(keys, kind=req.summary_kind).permute(1, 2, 0, 3, 4)  # [layers, heads, blocks, 2, d]
@@ -301,8 +324,9 @@ class DecodeEngine:
             for layer_handle in req.ws.pending:
                 if layer_handle is not None:
                     layer_handle.wait(self.config.fetch_timeout_s)
-            for handle in req.write_backs:
-                handle.wait(self.config.fetch_timeout_s)
+            for write_back in req.write_backs:
+                write_back.handle.wait(self.config.fetch_timeout_s)
+            req.write_backs.clear()
             self.pool.allocator.free(req.ws.rows.tolist())
             req.ws = None
         self.client.free(req.request_id)
@@ -344,7 +368,7 @@ class DecodeEngine:
             attempt(self.drafter.release, req.request_id)
             if req.ws is not None:
                 # Transfers into the pool land before its rows are reused or it is unregistered.
-                for handle in [h for h in req.ws.pending if h is not None] + req.write_backs:
+                for handle in [h for h in req.ws.pending if h is not None] + [w.handle for w in req.write_backs]:
                     attempt(handle.wait, self.config.fetch_timeout_s)
                 req.write_backs.clear()
                 self.pool.allocator.free(req.ws.rows.tolist())

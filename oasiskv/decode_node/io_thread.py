@@ -2,14 +2,25 @@
 
 With UCX's CMA transport NIXL copies inside `transfer()`, so a READ returns already complete and
 the caller has spent the copy time. Submitting from a thread of its own lets the copy run while
-the model computes (torch releases the GIL in its kernels). One thread, first in first out, so a
-write-back lands before a later read of the same block, and the client is never used from two
-threads at once.
+the model computes (torch releases the GIL in its kernels). One thread, so the client is never
+used from two threads at once.
+
+Two lanes. Reads and control calls run first in first out. A write-back (`write_blocks`, and
+the `extend` before it) goes in an urgent lane that the thread drains first: the model thread
+waits for it (`extend` at once, the write before its ring row is reused), while prefetches may
+queue for a whole step behind a slow link. Overtaking queued reads is safe: they read blocks
+before the local window, and the block written back is still in the window, so any read of it
+is queued after its write, and the urgent lane runs first.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+import threading
+from collections import deque
+from concurrent.futures import Future
+
+# Control calls that belong to a write-back.
+URGENT_CALLS = frozenset({"extend"})
 
 
 class FetchHandle:
@@ -32,13 +43,42 @@ class IOThreadClient:
     def __init__(self, client, timeout_s: float = 30.0):
         self.client = client
         self.timeout_s = timeout_s
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-io")
+        self._urgent: deque = deque()
+        self._queued: deque = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="kv-io", daemon=True)
+        self._thread.start()
 
-    def _transfer(self, method: str, *args, **kwargs) -> FetchHandle:
+    def _submit(self, fn, urgent: bool = False) -> Future:
+        future = Future()
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the decode engine's I/O thread is closed")
+            (self._urgent if urgent else self._queued).append((future, fn))
+            self._wake.notify()
+        return future
+
+    def _serve(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._urgent or self._queued or self._closed):
+                    self._wake.wait()
+                if not (self._urgent or self._queued):
+                    return  # closed, and everything queued has run
+                future, fn = (self._urgent or self._queued).popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as error:  # handed to whoever waits on the future
+                future.set_exception(error)
+
+    def _transfer(self, method: str, *args, urgent: bool = False, **kwargs) -> FetchHandle:
         def run():
             getattr(self.client, method)(*args, **kwargs).wait(self.timeout_s)
 
-        return FetchHandle(self._thread.submit(run))
+        return FetchHandle(self._submit(run, urgent))
 
     def read_blocks(self, *args, **kwargs) -> FetchHandle:
         return self._transfer("read_blocks", *args, **kwargs)
@@ -53,22 +93,27 @@ class IOThreadClient:
             for handle in handles:
                 handle.wait(self.timeout_s)
 
-        return FetchHandle(self._thread.submit(run))
+        return FetchHandle(self._submit(run))
 
     def write_blocks(self, *args, **kwargs) -> FetchHandle:
-        return self._transfer("write_blocks", *args, **kwargs)
+        return self._transfer("write_blocks", *args, urgent=True, **kwargs)
 
     def __getattr__(self, name: str):
         """Control calls (extend, free, read_summaries, register...) run on the I/O thread too,
-        after the transfers queued before them; the caller waits for their result."""
+        after the transfers queued before them (`extend`: after the write-backs only); the
+        caller waits for their result."""
         attribute = getattr(self.client, name)
         if not callable(attribute):
             return attribute
 
         def call(*args, **kwargs):
-            return self._thread.submit(attribute, *args, **kwargs).result()
+            return self._submit(lambda: attribute(*args, **kwargs), name in URGENT_CALLS).result()
 
         return call
 
     def close(self) -> None:
-        self._thread.shutdown(wait=True)
+        """Run what is queued, then stop the thread."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join()

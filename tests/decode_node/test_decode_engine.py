@@ -156,8 +156,8 @@ def test_write_back_summarizes_as_the_prompt_was(smollm2_llm, store, prompts, ki
         prompt_blocks = len(prompts[0]) // 16  # 640 tokens: whole blocks only
         written = req.summaries.blocks(prompt_blocks)  # held in the pool as read: bf16, narrowed as the store does
         assert written.shape[2] >= 2 and written.dtype == torch.bfloat16
-        for handle in req.write_backs:  # the store summarizes a block once its write has landed
-            handle.wait()
+        for write_back in req.write_backs:  # the store summarizes a block once its write has landed
+            write_back.handle.wait()
         stored = client.read_summaries(request_id, first_block=prompt_blocks, num_blocks=written.shape[2],
                                        dtype=config.summary_read_dtype)
         assert torch.equal(written, stored)

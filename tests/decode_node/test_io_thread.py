@@ -1,0 +1,113 @@
+"""The decode engine's I/O thread: reads and control calls in order, a write-back ahead of the
+reads queued before it, errors handed to whoever waits, and a clean close."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from oasiskv.decode_node.io_thread import IOThreadClient
+
+
+class _Done:
+    def wait(self, timeout=None):
+        return None
+
+
+class RecordingClient:
+    """A store client (unit test only) that records the order of calls; a read of block
+    'gate' holds the I/O thread until the test opens it."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.gate = threading.Event()
+        self.started = threading.Event()
+
+    def read_blocks(self, request_id, layers, heads, blocks, dst, slots=None):
+        if blocks == "gate":
+            self.started.set()
+            assert self.gate.wait(10)
+        if blocks == "broken":
+            raise OSError("link down")
+        self.calls.append(f"read {blocks}")
+        return _Done()
+
+    def write_blocks(self, request_id, layers, heads, blocks, src, slots=None):
+        self.calls.append(f"write {blocks}")
+        return _Done()
+
+    def extend(self, request_id, length):
+        self.calls.append(f"extend {length}")
+
+    def free(self, request_id):
+        self.calls.append("free")
+
+
+@pytest.fixture
+def io():
+    client = RecordingClient()
+    io = IOThreadClient(client, timeout_s=10)
+    yield io, client
+    client.gate.set()
+    io.close()
+
+
+def test_a_write_back_overtakes_the_reads_queued_before_it(io):
+    io, client = io
+    first = io.read_blocks("r", 0, 0, "gate", None)
+    assert client.started.wait(10)  # the I/O thread is busy with the first read
+    queued = io.read_many([("r", 0, 0, "b1", None), ("r", 0, 0, "b2", None)])
+    extended = threading.Thread(target=io.extend, args=("r", 48))
+    extended.start()
+    while not io._urgent:  # extend is queued (its caller blocks until it has run)
+        time.sleep(0.001)
+    write = io.write_blocks("r", 0, 0, "w", None)
+    later_read = io.read_blocks("r", 0, 0, "b3", None)
+    client.gate.set()
+    for handle in (first, queued, write, later_read):
+        handle.wait(10)
+    extended.join(10)
+    # The read in progress finishes; then the urgent lane (extend, write, in their order); then
+    # the reads in theirs.
+    assert client.calls == ["read gate", "extend 48", "write w", "read b1", "read b2", "read b3"]
+
+
+def test_control_calls_other_than_extend_keep_their_place_behind_reads(io):
+    io, client = io
+    io.read_blocks("r", 0, 0, "gate", None)
+    assert client.started.wait(10)
+    read = io.read_blocks("r", 0, 0, "b1", None)
+    freed = threading.Thread(target=io.free, args=("r",))
+    freed.start()
+    client.gate.set()
+    read.wait(10)
+    freed.join(10)
+    assert client.calls == ["read gate", "read b1", "free"]
+
+
+def test_a_failed_transfer_raises_where_it_is_awaited_and_the_thread_goes_on(io):
+    io, client = io
+    broken = io.read_blocks("r", 0, 0, "broken", None)
+    with pytest.raises(OSError, match="link down"):
+        broken.wait(10)
+    with pytest.raises(OSError, match="link down"):
+        broken.done()
+    io.read_blocks("r", 0, 0, "b1", None).wait(10)
+    assert client.calls == ["read b1"]
+
+
+def test_close_runs_what_is_queued_and_refuses_more():
+    client = RecordingClient()
+    io = IOThreadClient(client, timeout_s=10)
+    io.read_blocks("r", 0, 0, "gate", None)
+    assert client.started.wait(10)
+    queued = io.read_blocks("r", 0, 0, "b1", None)
+    closer = threading.Thread(target=io.close)
+    closer.start()
+    client.gate.set()
+    closer.join(10)
+    assert queued.done() and client.calls == ["read gate", "read b1"]
+    with pytest.raises(RuntimeError, match="closed"):
+        io.read_blocks("r", 0, 0, "b2", None)
