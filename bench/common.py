@@ -1,4 +1,4 @@
-"""Helpers shared by the benchmarks: real input text and result files."""
+"""Helpers shared by the benchmarks: real input text, result files, mode variants and a slow link."""
 
 from __future__ import annotations
 
@@ -66,19 +66,27 @@ def real_text_token_ids(llm, num_tokens: int, offset: int = 0) -> list[int]:
 # Decode-config variants a benchmark mode label may carry: 'lookahead+topup4+rate0.01+depth0.5'.
 MODE_VARIANTS = {"topup": ("lookahead_topup_blocks", int), "rate": ("max_replace_fraction", float),
                  "depth": ("prefetch_rank_fraction", float), "group": ("lookahead_layer_group", int)}
+# Variants that take no number: 'lookahead+skip'.
+FLAG_VARIANTS = {"skip": ("miss_policy", "skip")}
 
 
 def parse_mode(label: str, modes: tuple[str, ...]) -> tuple[str, dict]:
-    """'lookahead+topup4+rate0.01' -> ('lookahead', {lookahead_topup_blocks: 4, max_replace_fraction: 0.01}):
-    variants of a mode run side by side with it, in the same run."""
+    """'lookahead+topup4+rate0.01' -> ('lookahead', {lookahead_topup_blocks: 4, max_replace_fraction: 0.01}),
+    'lookahead+skip' -> ('lookahead', {miss_policy: 'skip'}): variants of a mode run side by side
+    with it, in the same run."""
     mode, *variants = label.split("+")
     if mode not in modes:
         raise ValueError(f"unknown mode {mode!r} in {label!r}: one of {', '.join(modes)}")
     overrides = {}
     for variant in variants:
+        if variant in FLAG_VARIANTS:
+            field, value = FLAG_VARIANTS[variant]
+            overrides[field] = value
+            continue
         name = next((n for n in MODE_VARIANTS if variant.startswith(n)), None)
         if name is None:
-            raise ValueError(f"unknown variant {variant!r} in {label!r}: {', '.join(n + 'N' for n in MODE_VARIANTS)}")
+            known = [n + "N" for n in MODE_VARIANTS] + list(FLAG_VARIANTS)
+            raise ValueError(f"unknown variant {variant!r} in {label!r}: {', '.join(known)}")
         field, kind = MODE_VARIANTS[name]
         try:
             overrides[field] = kind(variant[len(name):])
@@ -133,3 +141,22 @@ def write_results(out_dir: Path, name: str, results: dict, plot=None) -> Path:
         plt.close(fig)
         print(f"wrote {out_dir / (name + '.png')}")
     return path
+
+
+class DelayedReads:
+    """A store client whose every block read starts `seconds` late: a slow or congested link. The
+    decode engine calls it on its I/O thread, so the reads queued behind a late one are late too,
+    as on a link that moves one transfer at a time; everything else passes straight through."""
+
+    def __init__(self, client, seconds: float):
+        if seconds < 0:
+            raise ValueError(f"a read delay must be >= 0 seconds, got {seconds}")
+        self.client = client
+        self.seconds = seconds
+
+    def read_blocks(self, *args, **kwargs):
+        time.sleep(self.seconds)
+        return self.client.read_blocks(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)

@@ -56,6 +56,13 @@ far more than that: `--offsets 0,40,80,120` runs every mode on four stretches of
 source, prints each, and pools them (agreement averaged, perplexity ratio as a geometric mean:
 the per-token log-likelihoods of all texts). The goal is judged on the pooled figures.
 
+5. `--read-delay-ms D`: every block read of the decode engine starts D ms late, one at a time on
+   its I/O thread (`bench.common.DelayedReads`, a slow or congested link), so look-ahead
+   prefetches can still be in flight when their layer runs. `--modes lookahead,lookahead+skip`
+   then compares the two miss policies on the same texts: `wait` keeps the quality of on-time
+   prefetches and pays in time (`tf s`), `skip` keeps the time and pays in quality. The tables
+   count the late prefetches (`late: waits`, `skips`) of the teacher-forced pass.
+
 Goal at a 2,048-token budget: >= 99% agreement and perplexity within 1% of dense.
 Writes bench/results/sparse_quality_<model>.json and a PNG.
 """
@@ -105,7 +112,7 @@ from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import Prefiller  # noqa: E402
 
 from bench.attention_mass import ResidentSets, block_mass, mass_by_head, selectable_blocks, summarize_mass  # noqa: E402
-from bench.common import decode_overrides, parse_mode, real_text_token_ids, write_results  # noqa: E402
+from bench.common import DelayedReads, decode_overrides, parse_mode, real_text_token_ids, write_results  # noqa: E402
 from bench.lookahead_accuracy import LINEAR_RADIUS_WEIGHT, load_llm, sketch_keys  # noqa: E402
 
 GOAL_AGREEMENT = 0.99
@@ -299,8 +306,10 @@ def pool_gb(engine_layout, config: DecodeConfig, prompt_tokens: int, max_tokens:
 
 
 def run_engine(llm, client, stored: StoredPrompt, config: DecodeConfig, params: SamplingParams, request_id: str,
-               drafter=None, first_token: int | None = None) -> tuple[list[int], dict, float]:
-    engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=drafter)
+               drafter=None, first_token: int | None = None, read_delay_s: float = 0.0) -> tuple[list[int], dict, float]:
+    """Decode the stored prompt; the engine's block reads start `read_delay_s` late (a slow link)."""
+    engine = DecodeEngine(llm.model, llm.tokenizer, DelayedReads(client, read_delay_s) if read_delay_s else client,
+                          config, drafter=drafter)
     result = stored.copy_to(client, request_id, first_token)
     started = time.perf_counter()
     engine.add(result, params)
@@ -338,6 +347,10 @@ def main(argv=None) -> int:
     parser.add_argument("--radius-weight", type=float, default=None, help="block ranking's radius weight (default: DecodeConfig's)")
     parser.add_argument("--lookahead-topup-blocks", type=int, default=None,
                         help="lookahead's on-demand top-up per layer and KV head (default: DecodeConfig's, 0)")
+    parser.add_argument("--read-delay-ms", type=float, default=0.0,
+                        help="every block read of the decode engine starts this late, one at a time on its I/O "
+                        "thread (a slow link), so look-ahead prefetches can miss their step; with modes "
+                        "lookahead and lookahead+skip this measures what each miss policy costs")
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--skip-free-running", action="store_true", help="teacher-forced pass only")
     parser.add_argument("--skip-ideal", action="store_true", help="skip the ideal-selection diagnostic")
@@ -352,6 +365,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))
     args = parser.parse_args(argv)
+    if args.read_delay_ms < 0:
+        parser.error(f"--read-delay-ms must be >= 0, got {args.read_delay_ms}")
     kinds = args.summary_kinds.split(",")
     if set(kinds) - set(SUMMARY_KINDS):
         parser.error(f"--summary-kinds: unknown {sorted(set(kinds) - set(SUMMARY_KINDS))}; choose from {', '.join(SUMMARY_KINDS)}")
@@ -383,6 +398,7 @@ def main(argv=None) -> int:
         "machine": platform.processor() or platform.machine(), "context": args.context,
         "new_tokens": args.new_tokens, "num_draft_tokens": k, "sink_blocks": args.sink_blocks,
         "window_blocks": args.window_blocks, "summary_kinds": kinds, "offsets": offsets,
+        "read_delay_ms": args.read_delay_ms,
         "goal": {"agreement": GOAL_AGREEMENT, "perplexity_ratio": GOAL_PPL_RATIO, "budget_tokens": 2048},
         "texts": [run_text(llm, args, offset, kinds, modes, budgets) for offset in offsets],
     }
@@ -411,6 +427,7 @@ def run_text(llm, args, offset: int, kinds: list[str], modes: list[str], budgets
 
     runs = [("dense", None, kinds[0])] + [(m, b, kind) for kind in kinds for m in modes for b in budgets]
     passes = 1 if args.skip_free_running else 2
+    delay_s = args.read_delay_ms / 1000
     greedy = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     rows = []
     with tqdm(total=len(runs) * passes, desc=f"runs, text at offset {offset}") as bar:
@@ -429,7 +446,7 @@ def run_text(llm, args, offset: int, kinds: list[str], modes: list[str], budgets
             recording = resident.recording() if args.attention_mass and mode != "dense" else contextlib.nullcontext()
             with forcing.patched(), recording:
                 _, counters, seconds = run_engine(llm, client, stored, config, greedy, f"tf-{tag}", drafter=forcing,
-                                                  first_token=full[args.context])
+                                                  first_token=full[args.context], read_delay_s=delay_s)
             row["teacher_forced"] = {"logprob": forcing.logprob, "argmax": forcing.argmax, "counters": counters,
                                      "seconds": seconds}
             if resident.blocks:
@@ -438,7 +455,7 @@ def run_text(llm, args, offset: int, kinds: list[str], modes: list[str], budgets
             if not args.skip_free_running:
                 bar.set_postfix_str(f"{tag} free-running")
                 tokens, counters, seconds = run_engine(llm, client, stored, config, greedy, f"fr-{tag}",
-                                                       drafter=NgramDrafter())
+                                                       drafter=NgramDrafter(), read_delay_s=delay_s)
                 row["free_running"] = {"tokens": tokens, "counters": counters, "seconds": seconds}
                 bar.update(1)
             rows.append(row)
@@ -495,6 +512,10 @@ def pool_texts(texts: list[dict], key: tuple[str, ...], field: str = "runs") -> 
             "per_text_top1_agreement": [r["top1_agreement"] for r in rows],
             "per_text_perplexity_ratio": [r["perplexity_ratio"] for r in rows],
         })
+        if all("teacher_forced_counters" in r for r in rows):  # what the prefetches did, and the time it took
+            pooled[-1]["teacher_forced_seconds"] = sum(r["teacher_forced_seconds"] for r in rows)
+            pooled[-1].update({name: sum(r["teacher_forced_counters"][name] for r in rows)
+                               for name in ("prefetch_hits", "prefetch_waits", "prefetch_skips")})
         if all("attention_mass" in r for r in rows):  # every text's rows weigh the same
             by_head = {name: np.mean([r["attention_mass"]["by_head"][name] for r in rows], axis=0).tolist()
                        for name in ("window", "ideal", "resident")}
@@ -573,11 +594,13 @@ def print_table(results: dict) -> None:
     if len(results["texts"]) > 1:
         print(f"\npooled over {len(results['texts'])} texts (offsets {results['offsets']}): agreement = mean, "
               "perplexity ratio = geometric mean")
-        print(f"{'mode':<26}{'budget':>7}{'top1 agree':>11}{'ppl/dense':>10}   per text (agreement / ppl ratio)")
+        print(f"{'mode':<26}{'budget':>7}{'top1 agree':>11}{'ppl/dense':>10}{'late: waits':>12}{'skips':>6}"
+              f"{'tf s':>7}   per text (agreement / ppl ratio)")
         for r in pooled:
             per_text = ", ".join(f"{a:.1%} / {p:.3f}" for a, p in zip(r["per_text_top1_agreement"], r["per_text_perplexity_ratio"]))
             print(f"{run_label(r, results):<26}{str(r['budget_tokens'] or '-'):>7}{r['top1_agreement']:>11.2%}"
-                  f"{r['perplexity_ratio']:>10.4f}   {per_text}")
+                  f"{r['perplexity_ratio']:>10.4f}{r['prefetch_waits']:>12}{r['prefetch_skips']:>6}"
+                  f"{r['teacher_forced_seconds']:>7.1f}   {per_text}")
     massed = [(run_label(r, results), r) for r in pooled if "attention_mass" in r]
     massed += [(f"ideal: {r['rule']}", r) for r in results.get("pooled_ideal_selection") or [] if "attention_mass" in r]
     if len(results["texts"]) > 1 and massed:
@@ -597,18 +620,20 @@ def print_text(results: dict, text: dict) -> None:
           f"{results['new_tokens']} new tokens, k={results['num_draft_tokens']}; scored tokens (teacher-forced): "
           f"{runs[0]['scored_tokens']}")
     head = (f"{'mode':<26}{'budget':>7}{'top1 agree':>11}{'ppl':>9}{'ppl/dense':>10}{'prefix agr':>11}"
-            f"{'pos agr':>9}{'recall':>8}{'MB fetched':>11}{'accept':>8}")
+            f"{'pos agr':>9}{'recall':>8}{'MB fetched':>11}{'accept':>8}{'late: waits':>12}{'skips':>6}{'tf s':>7}")
     print(head)
     for r in runs:
         fr = r.get("free_running_counters") or r["teacher_forced_counters"]
-        rec = r["teacher_forced_counters"]["prediction_recall"]
+        tf = r["teacher_forced_counters"]
+        rec = tf["prediction_recall"]
         fetched = (fr["bytes_fetched"] + fr["admission_bytes_fetched"]) / 2**20
         acc = fr["acceptance_rate"]
         print(f"{run_label(r, results):<26}{str(r['budget_tokens'] or '-'):>7}{r['top1_agreement']:>11.2%}{r['perplexity']:>9.4f}"
               f"{r['perplexity_ratio']:>10.4f}{_pct(r.get('prefix_agreement')):>11}{_pct(r.get('positionwise_agreement')):>9}"
-              f"{_pct(rec):>8}{fetched:>11.1f}{_pct(acc):>8}")
-    print("(recall = the engine's prediction_recall counter, teacher-forced pass; MB fetched and acceptance: "
-          "free-running pass)")
+              f"{_pct(rec):>8}{fetched:>11.1f}{_pct(acc):>8}{tf['prefetch_waits']:>12}{tf['prefetch_skips']:>6}"
+              f"{r['teacher_forced_seconds']:>7.1f}")
+    print("(recall, late prefetches (a layer waited for its prefetch, or skipped it) and tf s (seconds): "
+          "teacher-forced pass; MB fetched and acceptance: free-running pass)")
     massed = [(run_label(r, results), r) for r in runs if "attention_mass" in r]
     massed += [(f"ideal: {r['rule']}", r) for r in text.get("ideal_selection") or [] if "attention_mass" in r]
     if massed:

@@ -17,12 +17,16 @@ def test_a_label_names_its_mode_and_its_decode_config_variants():
         "lookahead", {"lookahead_topup_blocks": 4, "max_replace_fraction": 0.01, "prefetch_rank_fraction": 0.5})
     assert parse_mode("lookahead+group1", MODES) == ("lookahead", {"lookahead_layer_group": 1})
     assert DecodeConfig(**parse_mode("lookahead+group8", MODES)[1]).lookahead_layer_group == 8
+    assert parse_mode("lookahead+skip+rate0.01", MODES) == (
+        "lookahead", {"miss_policy": "skip", "max_replace_fraction": 0.01})
+    assert DecodeConfig(**parse_mode("lookahead+skip", MODES)[1]).miss_policy == "skip"
 
 
 @pytest.mark.parametrize("label, problem", [
     ("quest", "unknown mode 'quest'"),
     ("lookahead+speed2", "unknown variant 'speed2'"),
     ("lookahead+topupfour", "topup takes a number"),
+    ("lookahead+skip2", "unknown variant 'skip2'.*skip"),
 ])
 def test_a_bad_label_is_refused_by_name(label, problem):
     with pytest.raises(ValueError, match=problem):

@@ -5,32 +5,16 @@ with fast reads; `skip` attends without them and never blocks the model on a pre
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
 
+from bench.common import DelayedReads
 from oasiskv.decode_node import io_thread
 from oasiskv.decode_node.config import DecodeConfig
 
 from .conftest import GREEDY, run_engine
 
 SMALL = dict(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
-
-
-class DelayedReads:
-    """A store client whose every block read starts `seconds` late (a slow link). It runs on the
-    engine's I/O thread, so the reads queued behind it are late too."""
-
-    def __init__(self, client, seconds: float):
-        self.client = client
-        self.seconds = seconds
-
-    def read_blocks(self, *args, **kwargs):
-        time.sleep(self.seconds)
-        return self.client.read_blocks(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.client, name)
 
 
 @pytest.fixture
@@ -76,7 +60,7 @@ def test_skip_attends_without_late_prefetches_and_never_blocks_on_one(smollm2_ll
     assert counters.prefetch_misses == counters.prefetch_skips
     assert counters.prefetch_waits == 0 and counters.fetch_wait_s == 0
     # The model thread blocked only for admission's first working set and where rows must not be
-    # reused under a landing transfer (a finished request's, a ring row's write-back), never in a
-    # layer for a prefetch.
+    # reused under a landing transfer (a finished request's, and a ring row whose write-back
+    # is still queued when the window comes round to it: `step`), never in a layer for a prefetch.
     assert blocking_waits, "the reads were not slow enough to test anything"
     assert set(blocking_waits) <= {"_admit", "_finish", "step"}, blocking_waits
