@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--budget-tokens", type=int, default=2048)
     parser.add_argument("--offsets", default="0,40,80,120", help="texts (sparse_quality --offsets)")
-    parser.add_argument("--delays-ms", default="0,5,10,20,40", help="store-read delays, comma-separated")
+    parser.add_argument("--delays-ms", default="0,10,20,40", help="store-read delays, comma-separated")
     parser.add_argument("--reuse", action="store_true",
                         help="combine the per-delay results already in --out instead of running them")
     parser.add_argument("--out", default=str(ROOT / "results"))
