@@ -27,7 +27,8 @@ Measured per mode (the decode engine's own counters plus timers around its parts
   prefetch/on-demand fetches during decode;
 - decode-node KV memory: peak of pool rows in use x row_bytes (and the pool size); in the sparse
   modes the rows include each request's key-summary pages (`peak_summary_rows` of them at the
-  peak of summary pages in use);
+  peak of summary pages in use); a draft model's own ring KV (`drafter_kv_bytes`, allocated
+  at start-up for max_num_seqs requests, the same in every mode) is beside the pool, not in it;
 - draft acceptance rate (k drafts from --drafter: the n-gram drafter by default, or a draft model
   such as qwen2.5-coder-0.5b for the 1.5B target, the same for every mode), prediction recall
   (sparse modes);
@@ -329,7 +330,7 @@ def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], ar
         final = timers.run()
     finally:
         timers.restore()
-        release_engine(engine, client)
+        engine.close()  # unregisters the pool (the registration keeps it alive) and stops the I/O thread
         for rid in ids:  # one drafter serves every run: a draft model's per-request KV must not outlive its engine
             drafter.release(rid)
     c = engine.counters.snapshot()
@@ -351,19 +352,13 @@ def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], ar
         "pool_bytes": engine.pool.num_rows * engine.pool.row_bytes,
         "peak_rows_used": timers.peak_rows, "peak_kv_bytes": timers.peak_rows * engine.pool.row_bytes,
         "peak_summary_rows": timers.peak_summary_rows,
+        # A draft model's ring KV: fixed at start-up, the same in every mode, outside the pool.
+        "drafter_kv_bytes": getattr(drafter, "kv_bytes", 0),
         "acceptance_rate": c["acceptance_rate"], "prediction_recall": c["prediction_recall"],
         "prefetch_hits": c["prefetch_hits"], "prefetch_misses": c["prefetch_misses"],
         "breakdown_s": breakdown(timers.t), "timers_s": timers.t, "counters": c,
         "outputs": {rid[len(tag) + len(label) + 2 :]: final[rid].token_ids for rid in ids},
     }
-
-
-def release_engine(engine: DecodeEngine, client) -> None:
-    """DecodeEngine has no close(): drop its pool's NIXL registration (which keeps the pool
-    tensor alive) and stop its I/O thread, so runs do not pile up memory and threads."""
-    client.unregister(engine.pool.tensor)
-    if engine.client is not client and hasattr(engine.client, "close"):
-        engine.client.close()
 
 
 def dense_rows(length: int, new_tokens: int, k: int) -> int:

@@ -316,8 +316,7 @@ def run_engine(llm, client, stored: StoredPrompt, config: DecodeConfig, params: 
     try:
         outputs = engine.run_to_completion()
     finally:
-        if engine.client is not client and hasattr(engine.client, "close"):
-            engine.client.close()  # the engine's I/O thread (DecodeEngine has no close())
+        engine.close()
     seconds = time.perf_counter() - started
     return outputs[request_id].token_ids, engine.counters.snapshot(), seconds
 

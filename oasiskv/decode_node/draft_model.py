@@ -54,6 +54,9 @@ class DraftModelDrafter:
         self.window_tokens = window_tokens
         self.max_chunk = max_chunk
         self.ring = window_tokens + max_chunk
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        self.max_requests = max_requests
         self.catch_up_budget = sink_tokens + self.ring if catch_up_budget is None else catch_up_budget
         if self.catch_up_budget < 0:
             raise ValueError(f"catch_up_budget must be >= 0, got {catch_up_budget}")
@@ -67,6 +70,12 @@ class DraftModelDrafter:
         self.backend = PagedAttention(self.cache, c.sliding_window, c.softmax_scale)
         self.states: dict[str, _DraftState] = {}
 
+    @property
+    def kv_bytes(self) -> int:
+        """The draft model's KV cache, allocated at start-up for `max_requests` rings: fixed device
+        memory beside the decode engine's pool (`kv_pool_gb` does not cover it)."""
+        return self.cache.num_blocks * self.cache.spec.bytes_per_block
+
     def _slot(self, position: int) -> int:
         if position < self.sink_tokens:
             return position
@@ -74,6 +83,9 @@ class DraftModelDrafter:
 
     def _state(self, request_id: str, params: SamplingParams) -> _DraftState:
         if request_id not in self.states:
+            if len(self.states) >= self.max_requests:
+                raise RuntimeError(f"the draft model's KV holds {self.max_requests} requests and all are in use; "
+                                   f"build it with max_requests >= the engine's max_num_seqs")
             blocks = self.cache.allocator.allocate(self.slots_per_request // self.cache.block_size)
             region = (torch.tensor(blocks)[:, None] * self.cache.block_size + torch.arange(self.cache.block_size)).reshape(-1)
             generator = None if params.greedy else make_generator(None if params.seed is None else params.seed + 2)
@@ -212,7 +224,8 @@ def check_vocabularies(draft_vocab: int, target_vocab: int, draft_tokenizer=None
 def build_drafter(config: DecodeConfig, target: DecoderModel, target_tokenizer, dtype: torch.dtype):
     """`config.drafter` as a drafter: 'ngram' (prompt lookup), or a draft model's registry name or
     path, loaded in `dtype` on the target's device, checked against its vocabulary and shaped by
-    the config's draft_window_tokens and draft_catch_up_budget."""
+    the config's draft_window_tokens and draft_catch_up_budget, with a ring for each of the
+    engine's max_num_seqs requests."""
     if config.drafter == "ngram":
         return NgramDrafter()
     from ..models.loader import load_model_dir
@@ -222,4 +235,5 @@ def build_drafter(config: DecodeConfig, target: DecoderModel, target_tokenizer, 
     draft_dir = resolve_model(config.drafter, progress=False)
     draft = load_model_dir(draft_dir, dtype=dtype, device=next(target.parameters()).device)
     return DraftModelDrafter(draft, target.config.vocab_size, load_tokenizer(draft_dir), target_tokenizer,
-                             window_tokens=config.draft_window_tokens, catch_up_budget=config.draft_catch_up_budget)
+                             window_tokens=config.draft_window_tokens, catch_up_budget=config.draft_catch_up_budget,
+                             max_requests=config.max_num_seqs)

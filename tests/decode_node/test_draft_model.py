@@ -153,5 +153,24 @@ def test_build_drafter_by_name(smollm2_llm, smollm2_dir):
     assert isinstance(drafter, DraftModelDrafter)
     assert drafter.ring == 64 + drafter.max_chunk and drafter.catch_up_budget == 0
     assert next(drafter.model.parameters()).dtype == torch.bfloat16
+    assert drafter.max_requests == config.max_num_seqs
     with pytest.raises(UnknownModelError):
         build_drafter(DecodeConfig(drafter="no-such-draft-model"), model, tok, torch.float32)
+
+
+def test_the_draft_kv_has_a_ring_for_every_request_the_engine_runs(smollm2_llm, smollm2_dir):
+    """build_drafter sizes the draft model's KV by the engine's max_num_seqs: a smaller fixed
+    size made the engine's 33rd concurrent request fail in the drafter."""
+    model, tok = smollm2_llm.model, smollm2_llm.tokenizer
+    config = DecodeConfig(drafter=str(smollm2_dir), draft_window_tokens=16, max_num_seqs=40)
+    drafter = build_drafter(config, model, tok, torch.float32)
+    assert drafter.kv_bytes == 40 * drafter.slots_per_request // 16 * drafter.cache.spec.bytes_per_block
+    params = SamplingParams(max_tokens=4)
+    histories = [[1, 2, 3]] * 40
+    ids = [f"r{i}" for i in range(40)]
+    drafts = drafter.propose(ids, histories, 2, [params] * 40)
+    assert [len(d.tokens) for d in drafts] == [2] * 40
+    with pytest.raises(RuntimeError, match="holds 40 requests"):
+        drafter.propose(["one-more"], [[1, 2, 3]], 2, [params])
+    drafter.release("r0")
+    assert len(drafter.propose(["one-more"], [[1, 2, 3]], 2, [params])[0].tokens) == 2
