@@ -66,8 +66,10 @@ def real_text_token_ids(llm, num_tokens: int, offset: int = 0) -> list[int]:
 # Decode-config variants a benchmark mode label may carry: 'lookahead+topup4+rate0.01+depth0.5'.
 MODE_VARIANTS = {"topup": ("lookahead_topup_blocks", int), "rate": ("max_replace_fraction", float),
                  "depth": ("prefetch_rank_fraction", float), "group": ("lookahead_layer_group", int)}
-# Variants that take no number: 'lookahead+skip'.
-FLAG_VARIANTS = {"skip": ("miss_policy", "skip")}
+# Variants that take no number: 'lookahead+skip', 'lookahead+uint8' (key summaries read as 8-bit
+# codes), 'lookahead+bf16' (as bfloat16).
+FLAG_VARIANTS = {"skip": ("miss_policy", "skip"), "uint8": ("summary_read_dtype", "uint8"),
+                 "bf16": ("summary_read_dtype", "bfloat16")}
 
 
 def parse_mode(label: str, modes: tuple[str, ...]) -> tuple[str, dict]:

@@ -97,7 +97,13 @@ from oasiskv.decode_node.lookahead import recall, score_blocks, top_blocks  # no
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
 from oasiskv.decode_node.draft_model import build_drafter  # noqa: E402
 from oasiskv.decode_node.speculative import DrafterMismatch, NgramDrafter  # noqa: E402
-from oasiskv.kvstore import block_scores, narrow_summaries, ranking_radius_weight, summarize_layer  # noqa: E402
+from oasiskv.kvstore import (  # noqa: E402
+    block_scores,
+    narrow_summaries,
+    quantize_summaries,
+    ranking_radius_weight,
+    summarize_layer,
+)
 from oasiskv.models.attention import AttentionBatch, PagedAttention  # noqa: E402
 from oasiskv.models.errors import ModelError  # noqa: E402
 from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
@@ -214,9 +220,12 @@ class DenseContext:
     def summaries(self, layer: int, end: int, dtype: torch.dtype | None = None, kind: str = "minmax") -> torch.Tensor:
         """[kv_heads, blocks, 2, d] key summaries (of `kind`) of positions < end, as the decode
         node sees them: read from the store in `dtype` (default summary_dtype; rounded outward),
-        widened to float32."""
+        widened to float32. uint8: coded over these blocks' ranges (the node codes the prompt's)."""
         exact = summarize_layer(self.keys(layer, end).transpose(0, 1), BLOCK, kind)
-        return narrow_summaries(exact, dtype or self.summary_dtype).float()
+        dtype = dtype or self.summary_dtype
+        if dtype == torch.uint8:  # the codes' values: they rank as codes times steps do (QuantizedSummaries)
+            return quantize_summaries(exact.unsqueeze(0)).dequantize()[0]
+        return narrow_summaries(exact, dtype).float()
 
     def packed_kv(self, num_blocks: int) -> torch.Tensor:
         """[layers, blocks, kv_heads, 2, block_size, d] of blocks < num_blocks: the store's unit layout."""
@@ -453,7 +462,7 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-model", default=None,
                         help="also predict from a draft model's drafts (registry name or path sharing the target's "
                              "tokenizer, e.g. qwen2.5-coder-0.5b for --model qwen2.5-coder-1.5b)")
-    parser.add_argument("--summary-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+    parser.add_argument("--summary-dtype", default="bfloat16", choices=["float32", "bfloat16", "uint8"],
                         help="the dtype the decode node reads key summaries in (DecodeConfig.summary_read_dtype)")
     parser.add_argument("--sink-blocks", type=int, default=1)
     parser.add_argument("--window-blocks", type=int, default=4)

@@ -56,10 +56,11 @@ class DecodeConfig(BaseModel):
         "upper bound); blocks are ranked by the softmax share of it, summed over the query heads of a KV group. "
         "None: the weight measured for the request's summary kind (kvstore.RANKING_RADIUS_WEIGHTS)",
     )
-    summary_read_dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16", description="key summaries are read from the store, and held in the pool's summary pages, in this "
+    summary_read_dtype: Literal["float32", "bfloat16", "uint8"] = Field(
+        "uint8", description="key summaries are read from the store, and held in the pool's summary pages, in this "
         "dtype; bfloat16 moves and holds half the bytes (the store rounds min down and max up, so scores stay "
-        "bounds); ranking widens one layer's candidates at a time to float32",
+        "bounds); uint8 a quarter, as 8-bit codes over each channel's range across the request's blocks "
+        "(kvstore.QuantizedSummaries); ranking widens one layer's candidates at a time to float32",
     )
     recall_sample_steps: int = Field(
         8, ge=1, description="the prediction-recall counter scores the current query every Nth step (it cost 13% of a step)"

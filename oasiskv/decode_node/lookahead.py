@@ -75,8 +75,13 @@ class Selection:
     k: int
     radius_weight: float
 
+    def code_steps(self) -> torch.Tensor | None:
+        """[kv_heads, 2 * head_dim] when the candidates are codes (uint8 summary pages): what each
+        query weight is multiplied by for them; None when they are values."""
+        return None if isinstance(self.summaries, torch.Tensor) else self.summaries.code_steps()
+
     def candidate_summaries(self) -> torch.Tensor:
-        """[kv_heads, end - first, 2 * head_dim] float32."""
+        """[kv_heads, end - first, 2 * head_dim] float32 (values, or codes: see `code_steps`)."""
         if isinstance(self.summaries, torch.Tensor):
             kv_heads, _, _, head_dim = self.summaries.shape
             return self.summaries[:, self.first : self.end].float().reshape(kv_heads, self.end - self.first, 2 * head_dim)
@@ -113,7 +118,9 @@ def select_blocks_batched(selections: list[Selection], scale: float) -> list[np.
     logits = weights.new_full((len(chosen), kv_heads, weights.shape[2], max(lengths)), float("-inf"))
     for i, s in enumerate(chosen):
         # Gathered (and widened) right before its matmul: on a CPU it is then still in cache.
-        logits[i, :, :, : lengths[i]] = torch.bmm(weights[i], s.candidate_summaries().transpose(1, 2))
+        steps = s.code_steps()  # codes: the offsets they leave out shift a query head's logits alike
+        w = weights[i] if steps is None else weights[i] * steps[:, None, :]
+        logits[i, :, :, : lengths[i]] = torch.bmm(w, s.candidate_summaries().transpose(1, 2))
     shares = softmax_shares(logits)  # [R, kv_heads, longest run]; padding gets 0
     padding = torch.arange(shares.shape[-1], device=device) >= torch.tensor(lengths, device=device)[:, None]
     shares = shares.masked_fill(padding[:, None, :], -1.0)  # below any real share, even one that underflowed to 0

@@ -10,6 +10,17 @@ waits until its pages fit like its KV rows.
 Page p of a request holds blocks p * per_page ... (p + 1) * per_page - 1 of every layer and KV
 head (`DevicePool.summary_blocks` per page); a (row, layer, head) slice of a page is one
 contiguous run of per_page (lo, hi) pairs, so a layer's candidates are one index_select away.
+
+Read as uint8 codes, the pages hold the codes and the request keeps each channel's offset and
+step beside them (2 x 4 bytes per layer, KV head and channel: 114 KiB for Qwen 1.5B, against its
+1.5 MiB of codes a 1K-block request). The selection ranks the codes with its query weights times
+the steps (the offsets shift every block's logit for a query head alike, which the softmax over
+blocks ignores). Write-back summaries are coded on the same ranges; a block outside them widens
+the channels it leaves (by a quarter of the new span, so a growing channel re-ranges seldom) and
+recodes what is held in those channels. Each recoding rounds outward once more, by at most the
+new step; as every widening grows a span by at least a quarter, the steps before the current one
+sum to less than four of it, so a held value stays within five current steps of the exact one
+(one, in a channel never widened).
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kvstore.summary import narrow_summaries
+from ..kvstore.summary import CODE_LEVELS, QuantizedSummaries, fits_range, narrow_summaries, quantize_summaries
 from ..models.attention import AttentionBuffers, as_fp32, gather_rows
 from .working_set import DevicePool
 
@@ -28,14 +39,19 @@ class SummaryPages:
         self.rows = rows.cpu().numpy().astype(np.int64)
         self.num_blocks = 0
         self._heads = np.arange(pool.layout.num_kv_heads)
+        self.quantized = pool.summary_dtype == torch.uint8
+        # uint8 pages: each channel's range, [layers, kv_heads, 2, head_dim] float32 (None until a first write).
+        self.offset: torch.Tensor | None = None
+        self.step: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
         return len(self.rows) * self.pool.summary_blocks
 
-    def write(self, first_block: int, summaries: torch.Tensor) -> None:
+    def write(self, first_block: int, summaries: torch.Tensor | QuantizedSummaries) -> None:
         """Summaries [layers, kv_heads, n, 2, d] of blocks first_block.. (float32, or already in the
-        pages' dtype); they become the last blocks held (a partly filled block is rewritten)."""
+        pages' dtype: codes with their ranges for uint8 pages); they become the last blocks held
+        (a partly filled block is rewritten)."""
         layout = self.pool.layout
         n = summaries.shape[2]
         if first_block > self.num_blocks or first_block + n > self.capacity:
@@ -44,21 +60,77 @@ class SummaryPages:
         if n == 0:  # a prompt shorter than a block: nothing summarized yet
             self.num_blocks = first_block
             return
-        if summaries.dtype != self.pool.summary_dtype:
+        if self.quantized:
+            summaries = self._codes(first_block, summaries)
+        elif isinstance(summaries, QuantizedSummaries):
+            raise ValueError(f"uint8 summary codes written to {self.pool.summary_dtype} pages")
+        elif summaries.dtype != self.pool.summary_dtype:
             summaries = narrow_summaries(summaries.float(), self.pool.summary_dtype)  # as the store narrows them
         flat = self.pool.summary_units
         values = summaries.permute(2, 0, 1, 3, 4).reshape(n, layout.num_layers, layout.num_kv_heads, -1)
         flat[self._slots(first_block, first_block + n)] = values.to(flat.device, flat.dtype)
         self.num_blocks = first_block + n
 
+    def _codes(self, first_block: int, summaries: torch.Tensor | QuantizedSummaries) -> torch.Tensor:
+        """What uint8 pages store for these summaries: the codes, on the pages' ranges."""
+        if isinstance(summaries, QuantizedSummaries) and (first_block == 0 or self.offset is None):
+            self.offset, self.step = summaries.offset.to(self.pool.summary_units.device), summaries.step.to(
+                self.pool.summary_units.device)
+            return summaries.codes
+        if isinstance(summaries, QuantizedSummaries):
+            summaries = summaries.dequantize()
+        summaries = summaries.float().to(self.pool.summary_units.device)
+        if self.offset is None or first_block == 0:
+            coded = quantize_summaries(summaries)
+            self.offset, self.step = coded.offset, coded.step
+            return coded.codes
+        fits = fits_range(summaries, self.offset, self.step)
+        if not bool(fits.all()):
+            self._widen(summaries, ~fits, first_block)
+        return quantize_summaries(summaries, self.offset, self.step).codes
+
+    def _widen(self, summaries: torch.Tensor, channels: torch.Tensor, held_blocks: int) -> None:
+        """Widen the ranges of `channels` ([layers, kv_heads, 2, d] bool) to take `summaries`, with a
+        quarter of the new span to spare, and recode the first `held_blocks` there."""
+        old = QuantizedSummaries(self.blocks(0, held_blocks), self.offset, self.step)
+        top = self.offset + CODE_LEVELS * self.step
+        lo = torch.minimum(summaries.amin(dim=2), self.offset)
+        hi = torch.maximum(summaries.amax(dim=2), top)
+        spare = (hi - lo) / 4
+        lo = torch.where(summaries.amin(dim=2) < self.offset, lo - spare, self.offset)
+        hi = torch.where(summaries.amax(dim=2) > top, hi + spare, top)
+        offset = torch.where(channels, lo, self.offset)
+        step = torch.where(channels, (hi - lo) / CODE_LEVELS, self.step)
+        if held_blocks:
+            recoded = quantize_summaries(old.dequantize(), offset, step).codes
+            codes = torch.where(channels.unsqueeze(2), recoded, old.codes)
+            values = codes.permute(2, 0, 1, 3, 4).reshape(held_blocks, *codes.shape[:2], -1)
+            self.pool.summary_units[self._slots(0, held_blocks)] = values
+        self.offset, self.step = offset, step
+
     def blocks(self, first: int = 0, end: int | None = None) -> torch.Tensor:
-        """Blocks first..end-1 as they are held: [layers, kv_heads, n, 2, head_dim] in the pages' dtype."""
+        """Blocks first..end-1 as they are held: [layers, kv_heads, n, 2, head_dim] in the pages'
+        dtype (for uint8 pages the codes; `dequantized` gives their values)."""
         layout = self.pool.layout
         end = self.num_blocks if end is None else end
         if not 0 <= first <= end <= self.num_blocks:
             raise ValueError(f"blocks {first}..{end - 1} of {self.num_blocks} summarized")
         held = self.pool.summary_units[self._slots(first, end)]  # [n, layers, heads, 2d]
         return held.view(end - first, layout.num_layers, layout.num_kv_heads, 2, layout.head_dim).permute(1, 2, 0, 3, 4)
+
+    def dequantized(self, first: int = 0, end: int | None = None) -> torch.Tensor:
+        """Blocks first..end-1 as float32 values (uint8 pages: offset + code * step)."""
+        held = self.blocks(first, end)
+        if not self.quantized:
+            return held.float()
+        return QuantizedSummaries(held, self.offset, self.step).dequantize()
+
+    def code_steps(self, layer: int) -> torch.Tensor | None:
+        """uint8 pages: `layer`'s steps as [kv_heads, 2 * head_dim], what the query weights are
+        multiplied by to rank codes; None for pages that hold values."""
+        if not self.quantized or self.step is None:
+            return None
+        return self.step[layer].reshape(self.pool.layout.num_kv_heads, -1)
 
     def candidates(self, layer: int, first: int, end: int, buffers: AttentionBuffers | None = None) -> torch.Tensor:
         """Blocks first..end-1 of `layer`: [kv_heads, end - first, 2 * head_dim] float32. With
@@ -113,3 +185,6 @@ class PagedLayer:
 
     def candidates(self, first: int, end: int) -> torch.Tensor:
         return self.pages.candidates(self.layer, first, end, self.buffers)
+
+    def code_steps(self) -> torch.Tensor | None:
+        return self.pages.code_steps(self.layer)

@@ -30,8 +30,10 @@ from .summary import (
     DEFAULT_SUMMARY_KIND,
     RANKING_RADIUS_WEIGHTS,
     SUMMARY_KINDS,
+    QuantizedSummaries,
     block_scores,
     narrow_summaries,
+    quantize_summaries,
     rank_blocks,
     ranking_radius_weight,
     summarize_keys,
@@ -42,9 +44,9 @@ from .transport import TransferHandle
 
 __all__ = [
     "DEFAULT_SUMMARY_KIND", "RANKING_RADIUS_WEIGHTS", "SUMMARY_KINDS", "BlockOutOfRange", "InvalidArgument", "KVLayout", "KVStore", "KVStoreActor", "KVStoreClient",
-    "KVStoreConfig", "KVStoreError", "KVStoreServer", "ProtocolError", "RemoteError", "RequestExists",
+    "KVStoreConfig", "KVStoreError", "KVStoreServer", "ProtocolError", "QuantizedSummaries", "RemoteError", "RequestExists",
     "RequestInfo", "StoreFull", "StoreStats", "StoreTimeout", "StoreUnavailable", "TransferError",
     "TransferHandle", "UnknownRequest", "alloc_host_buffer", "block_scores", "connect",
-    "launch_store_actor", "narrow_summaries", "pack_layer", "pack_request", "rank_blocks", "ranking_radius_weight", "summarize_keys", "summarize_layer",
+    "launch_store_actor", "narrow_summaries", "pack_layer", "pack_request", "quantize_summaries", "rank_blocks", "ranking_radius_weight", "summarize_keys", "summarize_layer",
     "summarize_request", "unpack_units",
 ]

@@ -31,7 +31,7 @@ from .hostmem import tensor_bytes
 from .inproc import InprocTransport
 from .layout import KVLayout, as_index_array, broadcast_units
 from .store import KVStore, RequestInfo, StoreStats
-from .summary import summary_read_dtype
+from .summary import QuantizedSummaries, summary_read_dtype
 from .transport import TransferHandle, Transport
 
 TRANSPORTS = ("auto", "nixl", "tcp", "inproc")
@@ -118,9 +118,10 @@ class KVStoreClient:
         return self.write_blocks(request_id, layer_idx, head_idx, block_idx, src)
 
     def read_summaries(self, request_id: str, first_block: int = 0, num_blocks: int | None = None,
-                       dtype: str | torch.dtype = torch.float32) -> torch.Tensor:
-        """Key summaries [layers, kv_heads, blocks, 2 (min, max), head_dim] as float32, or as bfloat16
-        (half the bytes; min rounded down and max rounded up, so still a bound)."""
+                       dtype: str | torch.dtype = torch.float32) -> torch.Tensor | QuantizedSummaries:
+        """Key summaries [layers, kv_heads, blocks, 2 (lo, hi), head_dim] as float32, as bfloat16
+        (half the bytes; lo rounded down and hi up, so a min/max box is still a bound), or as
+        uint8 (`QuantizedSummaries`: codes over per-channel ranges, a quarter of the bytes)."""
         return self.transport.read_summaries(
             request_id, int(first_block), None if num_blocks is None else int(num_blocks), summary_read_dtype(dtype)
         )

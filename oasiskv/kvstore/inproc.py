@@ -13,6 +13,7 @@ import torch
 from .errors import InvalidArgument
 from .layout import KVLayout
 from .store import KVStore, RequestInfo
+from .summary import QuantizedSummaries
 from .transport import CompletedHandle, TransferHandle, Transport
 
 
@@ -51,7 +52,7 @@ class InprocTransport(Transport):
         return CompletedHandle(layers.size, nbytes)
 
     def read_summaries(self, request_id: str, first_block: int, num_blocks: int | None,
-                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor | QuantizedSummaries:
         return self.store.read_summaries(request_id, first_block, num_blocks, dtype)
 
     def stats(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from .hostmem import byte_view, merge_runs
 from .layout import KVLayout
 from .protocol import VERSION, ConnectionClosed, Payload, recv_frame_header, send_error, send_frame
 from .store import KVStore, check_unit_bytes
+from .summary import QuantizedSummaries
 
 log = logging.getLogger(__name__)
 
@@ -363,6 +364,10 @@ class KVStoreServer:
             str(header["rid"]), int(header.get("first_block", 0)), None if num_blocks is None else int(num_blocks),
             str(header.get("dtype", "float32")),
         )
+        if isinstance(summaries, QuantizedSummaries):  # the codes, then their offsets and steps
+            return {"shape": list(summaries.shape), "quantized": True}, [
+                summaries.codes.reshape(-1).numpy(), summaries.offset.reshape(-1).numpy(),
+                summaries.step.reshape(-1).numpy()]
         # numpy has no bfloat16, so the bytes go out as uint8.
         return {"shape": list(summaries.shape)}, [summaries.reshape(-1).view(torch.uint8).numpy()]
 

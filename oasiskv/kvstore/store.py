@@ -23,7 +23,7 @@ from .errors import BlockOutOfRange, InvalidArgument, RequestExists, StoreFull, 
 from .hostmem import HostBuffer, alloc_host_buffer, copy_units, merge_runs
 from .layout import CHUNK_ALIGN, KVLayout, broadcast_units
 from .metrics import StoreMetrics
-from .summary import narrow_summaries, summarize_keys, summary_read_dtype
+from .summary import QuantizedSummaries, read_as, summarize_keys, summary_read_dtype
 
 MAX_REQUEST_ID_LEN = 256
 
@@ -293,9 +293,10 @@ class KVStore:
         )
 
     def read_summaries(self, request_id: str, first_block: int = 0, num_blocks: int | None = None,
-                       dtype: str | torch.dtype = torch.float32) -> torch.Tensor:
+                       dtype: str | torch.dtype = torch.float32) -> torch.Tensor | QuantizedSummaries:
         """[layers, kv_heads, blocks, 2, head_dim] summaries of a block range, as dtype
-        (float32 as kept, or bfloat16 rounded outward: still a bound, half the bytes)."""
+        (float32 as kept, bfloat16 rounded outward: still a bound, half the bytes; or uint8
+        codes over the range's own per-channel ranges, a quarter)."""
         dtype = summary_read_dtype(dtype)
         with self.pinned(request_id) as request:
             layout = request.layout
@@ -311,7 +312,7 @@ class KVStore:
             size = layout.summary_bytes_per_block
             src = request.table[first_block:first_block + count] + layout.kv_bytes_per_block
             copy_units(self.base, src, out.data_ptr(), np.arange(count, dtype=np.int64) * size, size)
-        return narrow_summaries(out.permute(1, 2, 0, 3, 4).contiguous(), dtype)
+        return read_as(out.permute(1, 2, 0, 3, 4).contiguous(), dtype)
 
     def record_read(self, units: int, nbytes: int, transport: str) -> None:
         self.metrics.blocks_read.labels(transport).inc(units)

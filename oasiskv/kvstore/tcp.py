@@ -27,7 +27,7 @@ from .inproc import _host_only
 from .layout import KVLayout
 from .protocol import VERSION, ConnectionClosed, Payload, index_payload, recv_frame_header, send_frame
 from .store import RequestInfo
-from .summary import summary_read_dtype
+from .summary import QuantizedSummaries, summary_read_dtype
 from .transport import FutureHandle, TransferHandle, Transport
 
 Land = Callable[[dict[str, Any], Payload], Any]
@@ -96,16 +96,21 @@ class TcpTransport(Transport):
         return self._call({"op": "metrics"})[0]["text"]
 
     def read_summaries(self, request_id: str, first_block: int, num_blocks: int | None,
-                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor | QuantizedSummaries:
         dtype = summary_read_dtype(dtype)
 
-        def land(reply: dict[str, Any], payload: Payload) -> torch.Tensor:
-            out = torch.empty([int(d) for d in reply["shape"]], dtype=dtype)
-            nbytes = out.numel() * out.element_size()
+        def land(reply: dict[str, Any], payload: Payload) -> torch.Tensor | QuantizedSummaries:
+            shape = [int(d) for d in reply["shape"]]
+            parts = [torch.empty(shape, dtype=dtype)]
+            if dtype == torch.uint8:  # the codes' per-channel offsets and steps follow them
+                ranges = shape[:2] + shape[3:]
+                parts += [torch.empty(ranges, dtype=torch.float32), torch.empty(ranges, dtype=torch.float32)]
+            nbytes = sum(t.numel() * t.element_size() for t in parts)
             if payload.remaining != nbytes:
                 raise ProtocolError(f"summary reply has {payload.remaining} bytes for {dtype} shape {reply['shape']}")
-            payload.read_into(byte_view(out.data_ptr(), nbytes))
-            return out
+            for t in parts:
+                payload.read_into(byte_view(t.data_ptr(), t.numel() * t.element_size()))
+            return QuantizedSummaries(*parts) if dtype == torch.uint8 else parts[0]
 
         header = {"op": "summaries", "rid": request_id, "first_block": int(first_block), "num_blocks": num_blocks,
                   "dtype": str(dtype).removeprefix("torch.")}

@@ -19,6 +19,7 @@ import torch
 from .errors import KVStoreError, StoreTimeout
 from .layout import KVLayout
 from .store import RequestInfo
+from .summary import QuantizedSummaries
 
 
 class TransferHandle:
@@ -127,8 +128,9 @@ class Transport(ABC):
 
     @abstractmethod
     def read_summaries(self, request_id: str, first_block: int, num_blocks: int | None,
-                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """[layers, kv_heads, blocks, 2, head_dim] as dtype (float32 or bfloat16, rounded outward)."""
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor | QuantizedSummaries:
+        """[layers, kv_heads, blocks, 2, head_dim] as dtype (float32 or bfloat16, rounded outward),
+        or for uint8 a `QuantizedSummaries` of that shape."""
 
     @abstractmethod
     def stats(self) -> dict[str, Any]: ...

@@ -20,6 +20,8 @@ def test_a_label_names_its_mode_and_its_decode_config_variants():
     assert parse_mode("lookahead+skip+rate0.01", MODES) == (
         "lookahead", {"miss_policy": "skip", "max_replace_fraction": 0.01})
     assert DecodeConfig(**parse_mode("lookahead+skip", MODES)[1]).miss_policy == "skip"
+    assert DecodeConfig(**parse_mode("lookahead+uint8", MODES)[1]).summary_read_dtype == "uint8"
+    assert DecodeConfig(**parse_mode("lookahead+bf16", MODES)[1]).summary_read_dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("label, problem", [

@@ -54,11 +54,55 @@ def test_small_budget_fetches_only_the_predicted_blocks(smollm2_llm, store, prom
     # Admission moved a working set, not the whole prompt: far less than the full KV.
     full_kv = sum(len(p) for p in prompts) / 16 * engine.layout.num_layers * engine.layout.num_kv_heads * engine.layout.unit_bytes
     assert counters.admission_bytes_fetched < 0.5 * full_kv
-    # The key summaries of every prompt block came as bfloat16 (the default): 2 bytes per number.
+    # The key summaries of every prompt block came as 8-bit codes (the default), with each
+    # request's per-channel ranges (two float32 numbers a channel).
     layout = engine.layout
     blocks = sum(-(-len(p) // layout.block_size) for p in prompts)
-    assert counters.summary_bytes_fetched == blocks * layout.num_layers * layout.num_kv_heads * 2 * layout.head_dim * 2
+    channels = layout.num_layers * layout.num_kv_heads * 2 * layout.head_dim
+    assert counters.summary_bytes_fetched == blocks * channels + len(prompts) * channels * 8
     assert engine.pool.allocator.num_free == engine.pool.num_rows
+
+
+def test_uint8_summaries_move_a_quarter_and_rank_as_the_values_do(smollm2_llm, store, prompts, reference):
+    """Summaries read as 8-bit codes: with a budget covering the context, lookahead still emits
+    dense's tokens; with a small one it fetches by its prediction, the summaries moved are a
+    quarter of float32's (plus each channel's range) and every held block's codes, on the
+    request's ranges (widened for the written-back blocks where they needed it), decode to a box
+    around the store's own summaries, within five of its channel's steps (`SummaryPages._widen`)."""
+    full = DecodeConfig(mode="lookahead", budget_tokens=2048, kv_pool_gb=0.25, summary_read_dtype="uint8")
+    engine, tokens = run_engine(smollm2_llm, store, prompts, full, tag="-uint8-full")
+    assert tokens == reference
+    config = DecodeConfig(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25, summary_read_dtype="uint8")
+    engine, tokens = run_engine(smollm2_llm, store, prompts, config, tag="-uint8-small")
+    counters, layout = engine.counters, engine.layout
+    assert all(len(t) == GREEDY.max_tokens for t in tokens)
+    assert 0.0 < counters.prediction_recall < 1.0 and counters.blocks_fetched > 0
+    blocks = sum(-(-len(p) // layout.block_size) for p in prompts)
+    channels = layout.num_layers * layout.num_kv_heads * 2 * layout.head_dim
+    assert counters.summary_bytes_fetched == blocks * channels + len(prompts) * channels * 8
+
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config)
+    result = Prefiller(smollm2_llm.model, client).prefill(
+        "uint8-write-back", prompts[0], budget_blocks=config.budget_blocks, excluded_head_blocks=config.sink_blocks,
+        excluded_tail_blocks=config.window_blocks)
+    engine.add(result, SamplingParams(max_tokens=64, ignore_eos=True))
+    try:
+        while engine.counters.blocks_written_back < 2:
+            engine.step()
+        pages = engine.running[0].summaries
+        assert pages.quantized and pages.blocks().dtype == torch.uint8
+        for write_back in engine.running[0].write_backs:
+            write_back.handle.wait()
+        stored = client.read_summaries("uint8-write-back", dtype="float32")[:, :, : pages.num_blocks]
+        held = pages.dequantized()
+        step = pages.step.unsqueeze(2)
+        assert (held[..., 0, :] <= stored[..., 0, :] + 1e-6).all() and (held[..., 1, :] >= stored[..., 1, :] - 1e-6).all()
+        assert ((held - stored).abs() <= 5 * step + 1e-6).all()
+    finally:
+        engine.abort("uint8-write-back")
+        engine.close()
+    assert store.stats().num_requests == 0
 
 
 def test_lookahead_topped_up_to_the_whole_budget_attends_as_sparse_current(smollm2_llm, store, prompts):
@@ -138,9 +182,10 @@ def test_grouped_selection_fetches_and_decodes_as_per_layer_selection(smollm2_ll
 def test_write_back_summarizes_as_the_prompt_was(smollm2_llm, store, prompts, kind):
     """The node summarizes the blocks it writes back itself (no read from the store) with the
     summary kind the prompt's layout names, so both agree with the store; the ranking uses that
-    kind's radius weight."""
+    kind's radius weight. (Summaries read as bfloat16 values, which the store narrows bit for bit
+    as the node does; uint8 codes depend on the range they are coded over.)"""
     client = connect(store)
-    config = DecodeConfig(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
+    config = DecodeConfig(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25, summary_read_dtype="bfloat16")
     engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config)
     request_id = f"write-back-{kind}"
     result = Prefiller(smollm2_llm.model, client, summary_kind=kind).prefill(

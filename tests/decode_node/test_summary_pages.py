@@ -13,7 +13,7 @@ from oasiskv.decode_node.engine import DecodeEngine
 from oasiskv.decode_node.lookahead import Selection, select_blocks_batched
 from oasiskv.decode_node.summary_pages import PagedLayer, SummaryPages
 from oasiskv.decode_node.working_set import DevicePool, plan_rows, summary_blocks_per_row
-from oasiskv.kvstore import KVLayout, KVStore, connect, narrow_summaries, summarize_request
+from oasiskv.kvstore import KVLayout, KVStore, connect, narrow_summaries, quantize_summaries, summarize_request
 from oasiskv.models.attention import AttentionBuffers
 from oasiskv.models.engine.scheduler import RequestTooLarge
 from oasiskv.models.sampling import SamplingParams
@@ -116,13 +116,14 @@ def test_pages_on_cuda_hold_and_give_what_the_cpu_pages_do():
 
 
 def test_plan_rows_counts_the_pages_every_block_the_request_can_reach_needs():
-    config = DecodeConfig(budget_tokens=256)
+    config = DecodeConfig(budget_tokens=256, summary_read_dtype="bfloat16")
     plan = plan_rows(config, 1000, 100, kv_itemsize=2)
     blocks = -(-(1000 + 100 + config.num_draft_tokens + 1) // 16)  # 69
     assert plan.kv_rows == 1 + 5 + 16 and plan.summary_pages == -(-blocks // 16) == 5
     assert plan.total == plan.kv_rows + plan.summary_pages
     assert plan_rows(config, 1000, 100, kv_itemsize=4).summary_pages == 3  # fp32 KV rows hold 32 blocks' bf16 summaries
     assert plan_rows(DecodeConfig(summary_read_dtype="float32"), 1000, 100, kv_itemsize=2).summary_pages == 9
+    assert plan_rows(DecodeConfig(), 1000, 100, kv_itemsize=2).summary_pages == 3  # uint8 codes (the default): 32 a row
     assert plan_rows(config, 1000, 100, "dense", kv_itemsize=2).summary_pages == 0
     with pytest.raises(ValueError, match="even block_size"):
         summary_blocks_per_row(15, 2, 4)
@@ -174,3 +175,46 @@ def test_admission_counts_the_summary_pages(smollm2_llm, store):
     assert engine.pool.rows_used == 0
     engine.close()
     assert store.stats().num_requests == 0
+
+
+def test_uint8_pages_hold_the_codes_and_rank_as_the_values_do():
+    pool = _pool(summary_dtype=torch.uint8, rows=20)
+    assert pool.summary_blocks == 32  # a bf16 KV row holds twice the blocks of bf16 summaries
+    generator = torch.Generator().manual_seed(7)
+    paged, plain = [], []
+    for i, (blocks, first, end, k) in enumerate([(40, 1, 35, 8), (70, 1, 66, 16), (12, 1, 5, 8)]):
+        pages = SummaryPages(pool, torch.arange(i, 20, 4)[:3])
+        coded = quantize_summaries(_summaries(blocks, seed=20 + i))  # as the store sends them
+        pages.write(0, coded)
+        assert torch.equal(pages.blocks(), coded.codes) and torch.equal(pages.dequantized(), coded.dequantize())
+        layer = i % LAYERS
+        got = pages.candidates(layer, first, end, AttentionBuffers())
+        assert torch.equal(got, coded.codes[layer, :, first:end].float().reshape(HEADS, end - first, 2 * DIM))
+        queries = torch.randn(3, 4 * HEADS, DIM, generator=generator)
+        plain.append(Selection(queries, coded.dequantize()[layer], first, end, k, 0.5))
+        paged.append(Selection(queries, PagedLayer(pages, layer, AttentionBuffers()), first, end, k, 0.5))
+    for got, want in zip(select_blocks_batched(paged, 0.35), select_blocks_batched(plain, 0.35)):
+        assert (got == want).all()
+    with pytest.raises(ValueError, match="uint8 summary codes"):
+        SummaryPages(_pool(), torch.tensor([0])).write(0, quantize_summaries(_summaries(2)))
+
+
+def test_uint8_pages_widen_a_range_a_written_back_block_leaves():
+    pages = SummaryPages(_pool(summary_dtype=torch.uint8), torch.tensor([3, 0]))
+    prompt = _summaries(20, seed=30)
+    pages.write(0, quantize_summaries(prompt))
+    offset, step = pages.offset.clone(), pages.step.clone()
+    inside = prompt[:, :, 5:6].clone()
+    pages.write(20, inside)  # within every range: nothing moves
+    assert torch.equal(pages.offset, offset) and torch.equal(pages.step, step)
+    outside = prompt[:, :, 6:7].clone()
+    outside[1, 0, 0, 1, 3] = prompt[1, 0, :, 1, 3].max() + 5.0  # one channel of one block beyond its range
+    pages.write(21, outside)
+    changed = pages.step != step
+    assert changed.sum() == 1 and changed[1, 0, 1, 3] and (pages.offset == offset).all()
+    assert pages.offset[1, 0, 1, 3] + 255 * pages.step[1, 0, 1, 3] > outside[1, 0, 0, 1, 3]  # with room to spare
+    held, exact = pages.dequantized(), torch.cat((prompt, inside, outside), dim=2)
+    assert (held[..., 0, :] <= exact[..., 0, :] + 1e-6).all() and (held[..., 1, :] >= exact[..., 1, :] - 1e-6).all()
+    assert ((held - exact).abs() <= 2 * pages.step.unsqueeze(2) + 1e-6).all()  # recoded once: a step more
+    unchanged = ~changed.unsqueeze(2).expand_as(held)
+    assert torch.equal(held[:, :, :20][unchanged[:, :, :20]], quantize_summaries(prompt).dequantize()[unchanged[:, :, :20]])

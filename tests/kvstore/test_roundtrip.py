@@ -18,6 +18,7 @@ from oasiskv.kvstore import (
     UnknownRequest,
     connect,
     narrow_summaries,
+    quantize_summaries,
     summarize_request,
 )
 from oasiskv.kvstore.layout import pack_layer
@@ -87,6 +88,10 @@ def test_summaries_computed_on_write_and_read_as_float32_or_bfloat16(client, kin
     assert torch.equal(narrow, narrow_summaries(summaries[:, :, 1:], torch.bfloat16))
     if kind == "minmax":  # the KV is bfloat16, so its min and max are bfloat16 numbers already: nothing is lost
         assert layout.dtype == torch.bfloat16 and torch.equal(narrow.float(), summaries[:, :, 1:])
+    coded = client.read_summaries(request, first_block=1, dtype="uint8")  # codes with their ranges, every transport
+    want = quantize_summaries(summaries[:, :, 1:])
+    assert coded.codes.dtype == torch.uint8 and coded.shape == summaries[:, :, 1:].shape
+    assert all(torch.equal(a, b) for a, b in ((coded.codes, want.codes), (coded.offset, want.offset), (coded.step, want.step)))
     client.free(request)
 
 

@@ -7,8 +7,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from oasiskv.kvstore import InvalidArgument, block_scores, narrow_summaries, summarize_keys, summarize_layer, summarize_request
-from oasiskv.kvstore.summary import block_scores_reference
+from oasiskv.kvstore import (
+    InvalidArgument,
+    block_scores,
+    narrow_summaries,
+    quantize_summaries,
+    rank_blocks,
+    summarize_keys,
+    summarize_layer,
+    summarize_request,
+)
+from oasiskv.kvstore.summary import block_scores_reference, fits_range, query_weights, softmax_shares
 
 
 def test_summaries_are_min_and_max_over_real_tokens():
@@ -185,3 +194,52 @@ def test_narrowing_to_an_unsupported_dtype_is_refused():
     assert narrow_summaries(torch.ones(1, 2, 4), "float32").dtype == torch.float32
     with pytest.raises(InvalidArgument, match="from float32"):
         narrow_summaries(torch.ones(1, 2, 4, dtype=torch.float64), torch.bfloat16)
+
+
+def test_uint8_codes_bound_their_values_within_a_step_of_each_channels_range():
+    torch.manual_seed(12)
+    keys = torch.randn(2, 320, 2, 64) * torch.logspace(-1, 2, 64)  # 2 layers, 20 blocks, channels of every scale
+    keys[..., 5] += 300.0  # an outlier channel, large and nearly constant across blocks
+    exact = summarize_request(keys, kind="minmax")
+    coded = quantize_summaries(exact)
+    assert coded.codes.dtype == torch.uint8 and coded.shape == exact.shape
+    assert coded.nbytes == exact.numel() + 2 * 4 * coded.offset.numel()
+    values = coded.dequantize()
+    assert (values[..., 0, :] <= exact[..., 0, :]).all() and (values[..., 1, :] >= exact[..., 1, :]).all()
+    assert ((values - exact).abs() <= coded.step.unsqueeze(2) * 1.0001 + exact.abs() * 2e-7).all()  # a step, and a rounding
+    # Each channel's own range: the outlier channel resolves its blocks as finely as the others.
+    span = exact.amax(dim=2) - exact.amin(dim=2)
+    assert torch.allclose(coded.step, span / 255, rtol=1e-5)
+    assert (coded.codes[..., 0, :].amin(dim=2) == 0).all() and (coded.codes[..., 1, :].amax(dim=2) == 255).all()
+    assert ((values - exact).abs()[..., 5] < 0.1).all()  # bfloat16 steps there are 2.0
+
+
+def test_uint8_codes_rank_blocks_as_their_values_do():
+    """The offsets shift every block's logit for a query head alike, so weights times steps
+    against the bare codes give the same shares as the weights against the values."""
+    torch.manual_seed(13)
+    exact = summarize_layer(torch.randn(800, 2, 32) * 3 + 1)  # 50 blocks
+    coded = quantize_summaries(exact.unsqueeze(0))
+    values = coded.dequantize()[0]
+    queries = torch.randn(3, 8, 32)
+    shares = rank_blocks(queries, values, 0.2, 0.5)
+    q = queries.reshape(3, 2, 4, 32)
+    weights = query_weights(q.mean(dim=0), q.abs().mean(dim=0), 0.2, 0.5)  # [kv_heads, group, 2d]
+    steps = coded.step[0].reshape(2, 1, 64)
+    logits = torch.bmm(weights * steps, coded.codes[0].float().reshape(2, 50, 64).transpose(1, 2))
+    assert torch.allclose(softmax_shares(logits), shares, atol=1e-5)
+
+
+def test_a_channel_equal_in_every_block_gets_a_step_far_below_its_value():
+    exact = torch.ones(1, 1, 4, 2, 8) * 2.5
+    exact[..., 1, 0] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    coded = quantize_summaries(exact)
+    values = coded.dequantize()
+    constant = torch.ones_like(exact, dtype=torch.bool)
+    constant[..., 1, 0] = False
+    assert torch.equal(values[constant], exact[constant])  # code 0 is the offset itself
+    assert (values[..., 1, 0] >= exact[..., 1, 0]).all() and float(values[0, 0, -1, 1, 0]) == pytest.approx(4.0)
+    assert coded.step[0, 0, 0, 1] < 1e-5 and coded.step[0, 0, 1, 0] == pytest.approx(3 / 255)
+    assert not fits_range(exact + 0.001, coded.offset, coded.step).all()
+    with pytest.raises(InvalidArgument, match="at least one block"):
+        quantize_summaries(exact[:, :, :0])
