@@ -28,7 +28,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kvstore.summary import CODE_LEVELS, QuantizedSummaries, fits_range, narrow_summaries, quantize_summaries
+from ..kvstore.summary import (
+    CODE_LEVELS,
+    QuantizedSummaries,
+    code_elements,
+    fits_range,
+    narrow_summaries,
+    quantize_summaries,
+)
 from ..models.attention import AttentionBuffers, as_fp32, gather_rows
 from .working_set import DevicePool
 
@@ -91,8 +98,8 @@ class SummaryPages:
 
     def _widen(self, summaries: torch.Tensor, channels: torch.Tensor, held_blocks: int) -> None:
         """Widen the ranges of `channels` ([layers, kv_heads, 2, d] bool) to take `summaries`, with a
-        quarter of the new span to spare, and recode the first `held_blocks` there."""
-        old = QuantizedSummaries(self.blocks(0, held_blocks), self.offset, self.step)
+        quarter of the new span to spare, and recode the first `held_blocks` there (those channels
+        only: a 32K request holds 2,000 blocks of 14,000 channels, a block leaves a few)."""
         top = self.offset + CODE_LEVELS * self.step
         lo = torch.minimum(summaries.amin(dim=2), self.offset)
         hi = torch.maximum(summaries.amax(dim=2), top)
@@ -102,10 +109,13 @@ class SummaryPages:
         offset = torch.where(channels, lo, self.offset)
         step = torch.where(channels, (hi - lo) / CODE_LEVELS, self.step)
         if held_blocks:
-            recoded = quantize_summaries(old.dequantize(), offset, step).codes
-            codes = torch.where(channels.unsqueeze(2), recoded, old.codes)
-            values = codes.permute(2, 0, 1, 3, 4).reshape(held_blocks, *codes.shape[:2], -1)
-            self.pool.summary_units[self._slots(0, held_blocks)] = values
+            layers, heads, sides, dims = channels.nonzero(as_tuple=True)  # m channels
+            units, positions = self._slots(0, held_blocks)  # [n, layers, heads, 1], [n, 1, 1, 2d]
+            where = (units[:, layers, heads, 0], positions[:, 0, 0, sides * self.pool.layout.head_dim + dims])
+            flat = self.pool.summary_units
+            old = flat[where].float() * self.step[layers, heads, sides, dims] + self.offset[layers, heads, sides, dims]
+            flat[where] = code_elements(old, offset[layers, heads, sides, dims], step[layers, heads, sides, dims],
+                                        sides == 1)
         self.offset, self.step = offset, step
 
     def blocks(self, first: int = 0, end: int | None = None) -> torch.Tensor:
