@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, ranking_radius_weight, summarize_keys
-from ..kvstore.summary import QuantizedSummaries, summary_read_dtype
+from ..kvstore.summary import summary_read_dtype
 from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
 from ..models.engine.stopping import finish_reason, visible_text
@@ -77,13 +77,6 @@ class DecodeOutput:
     finished: bool
     finish_reason: str | None
 
-
-
-def summary_nbytes(summaries: torch.Tensor | QuantizedSummaries) -> int:
-    """What reading these summaries moved: the values, or the codes with their ranges."""
-    if isinstance(summaries, QuantizedSummaries):
-        return summaries.nbytes
-    return summaries.numel() * summaries.element_size()
 
 class DecodeEngine:
     def __init__(self, model: DecoderModel, tokenizer, client, config: DecodeConfig | None = None,
@@ -203,7 +196,7 @@ class DecodeEngine:
         req.summaries = SummaryPages(self.pool, ws.summary_rows)
         if plan.budget:
             summaries = self.client.read_summaries(req.request_id, dtype=self.config.summary_read_dtype)
-            self.counters.summary_bytes_fetched += summary_nbytes(summaries)
+            self.counters.summary_bytes_fetched += summaries.nbytes  # values, or codes with their ranges
             req.summaries.write(0, summaries)
         req.ws = ws
 

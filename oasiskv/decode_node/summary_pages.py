@@ -31,7 +31,7 @@ import torch
 from ..kvstore.summary import (
     CODE_LEVELS,
     QuantizedSummaries,
-    code_elements,
+    code_values,
     fits_range,
     narrow_summaries,
     quantize_summaries,
@@ -101,11 +101,11 @@ class SummaryPages:
         quarter of the new span to spare, and recode the first `held_blocks` there (those channels
         only: a 32K request holds 2,000 blocks of 14,000 channels, a block leaves a few)."""
         top = self.offset + CODE_LEVELS * self.step
-        lo = torch.minimum(summaries.amin(dim=2), self.offset)
-        hi = torch.maximum(summaries.amax(dim=2), top)
+        least, most = summaries.amin(dim=2), summaries.amax(dim=2)
+        lo, hi = torch.minimum(least, self.offset), torch.maximum(most, top)
         spare = (hi - lo) / 4
-        lo = torch.where(summaries.amin(dim=2) < self.offset, lo - spare, self.offset)
-        hi = torch.where(summaries.amax(dim=2) > top, hi + spare, top)
+        lo = torch.where(least < self.offset, lo - spare, self.offset)
+        hi = torch.where(most > top, hi + spare, top)
         offset = torch.where(channels, lo, self.offset)
         step = torch.where(channels, (hi - lo) / CODE_LEVELS, self.step)
         if held_blocks:
@@ -114,8 +114,8 @@ class SummaryPages:
             where = (units[:, layers, heads, 0], positions[:, 0, 0, sides * self.pool.layout.head_dim + dims])
             flat = self.pool.summary_units
             old = flat[where].float() * self.step[layers, heads, sides, dims] + self.offset[layers, heads, sides, dims]
-            flat[where] = code_elements(old, offset[layers, heads, sides, dims], step[layers, heads, sides, dims],
-                                        sides == 1)
+            flat[where] = code_values(old, offset[layers, heads, sides, dims], step[layers, heads, sides, dims],
+                                      sides == 1)
         self.offset, self.step = offset, step
 
     def blocks(self, first: int = 0, end: int | None = None) -> torch.Tensor:

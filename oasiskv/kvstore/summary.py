@@ -51,6 +51,7 @@ RANKING_RADIUS_WEIGHTS = {"minmax": 0.2, "moments": 0.5}
 # What a summary may be read as; float16 is left out because keys can exceed its range.
 SUMMARY_READ_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 CODE_LEVELS = 255  # the largest 8-bit code
+HI_SIDE = torch.tensor([[False], [True]])  # broadcasts over a summary's (lo, hi) axis and head_dim
 
 # Dtypes torch reduces natively on CPU and that can hold +-inf (float8 can do neither).
 _NATIVE_MINMAX = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -163,7 +164,7 @@ class QuantizedSummaries:
     @property
     def nbytes(self) -> int:
         """What the codes and their ranges take to move: the codes, plus 2 x 4 bytes per channel."""
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.offset, self.step))
+        return self.codes.nbytes + self.offset.nbytes + self.step.nbytes
 
     def dequantize(self) -> torch.Tensor:
         """float32 [layers, kv_heads, blocks, 2, head_dim]."""
@@ -208,36 +209,27 @@ def quantize_summaries(summaries: torch.Tensor, offset: torch.Tensor | None = No
     return QuantizedSummaries(codes, offset, step)
 
 
-def code_values(values: torch.Tensor, offset: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """float32 [..., 2 (lo, hi), d] -> uint8 codes on the ranges `offset`, `step` (broadcast against
-    `values`): lo rounded down and hi up, clamped to the range."""
-    scaled = values - offset
-    scaled /= step
-    scaled[..., 0, :].floor_()
-    scaled[..., 1, :].ceil_()
-    scaled.clamp_(0, CODE_LEVELS)
+def code_values(values: torch.Tensor, offset: torch.Tensor, step: torch.Tensor,
+                upward: torch.Tensor = HI_SIDE) -> torch.Tensor:
+    """float32 values -> uint8 codes on the ranges `offset`, `step` (both broadcast against
+    `values`), clamped to the range: rounded up where `upward` (a hi), else down (a lo). The
+    default marks the hi side of [..., 2 (lo, hi), d] summaries."""
+    upward = upward.to(values.device)
+    sign = 1.0 - 2.0 * upward.float()  # ceil(x) = -floor(-x): one in-place pass rounds both ways
+    codes = values - offset
+    codes /= step
+    codes *= sign
+    codes.floor_()
+    codes *= sign
+    codes.clamp_(0, CODE_LEVELS)
     # The division rounds: a code whose value (as `dequantize` computes it, code * step + offset)
-    # lands a rounding inside the box moves one step out. Few do, so they are indexed.
-    back = scaled * step
-    back += offset
-    inward_lo = (back[..., 0, :] > values[..., 0, :]) & (scaled[..., 0, :] > 0)
-    inward_hi = (back[..., 1, :] < values[..., 1, :]) & (scaled[..., 1, :] < CODE_LEVELS)
-    lo, hi = scaled[..., 0, :], scaled[..., 1, :]
-    lo[inward_lo] -= 1
-    hi[inward_hi] += 1
-    return scaled.to(torch.uint8)
-
-
-def code_elements(values: torch.Tensor, offset: torch.Tensor, step: torch.Tensor,
-                  upward: torch.Tensor) -> torch.Tensor:
-    """`code_values` for loose elements (all of one shape, or broadcasting): each rounds up where
-    `upward` (a hi), else down (a lo)."""
-    scaled = (values - offset) / step
-    codes = torch.where(upward, scaled.ceil(), scaled.floor()).clamp_(0, CODE_LEVELS)
-    back = codes * step + offset
-    codes -= ((back > values) & ~upward & (codes > 0)).float()
-    codes += ((back < values) & upward & (codes < CODE_LEVELS)).float()
-    return codes.to(torch.uint8)
+    # lands a rounding inside the box (above a lo, below a hi) moves one step out, within the range.
+    inward = codes * step
+    inward += offset
+    inward -= values
+    inward *= sign
+    codes -= (inward > 0) * sign
+    return codes.clamp_(0, CODE_LEVELS).to(torch.uint8)
 
 
 def read_as(summaries: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | QuantizedSummaries:

@@ -105,11 +105,11 @@ class TcpTransport(Transport):
             if dtype == torch.uint8:  # the codes' per-channel offsets and steps follow them
                 ranges = shape[:2] + shape[3:]
                 parts += [torch.empty(ranges, dtype=torch.float32), torch.empty(ranges, dtype=torch.float32)]
-            nbytes = sum(t.numel() * t.element_size() for t in parts)
+            nbytes = sum(t.nbytes for t in parts)
             if payload.remaining != nbytes:
                 raise ProtocolError(f"summary reply has {payload.remaining} bytes for {dtype} shape {reply['shape']}")
             for t in parts:
-                payload.read_into(byte_view(t.data_ptr(), t.numel() * t.element_size()))
+                payload.read_into(byte_view(t.data_ptr(), t.nbytes))
             return QuantizedSummaries(*parts) if dtype == torch.uint8 else parts[0]
 
         header = {"op": "summaries", "rid": request_id, "first_block": int(first_block), "num_blocks": num_blocks,
