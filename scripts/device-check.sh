@@ -10,6 +10,10 @@
 # The engine-level CUDA test (tests/decode_node/test_triton_engine.py) needs the whole install
 # and a model, and the block-ranking `cuda` test needs the package's dependencies; run them with
 # `pytest -m cuda tests/decode_node` where both are there.
+# Not here: the decode benchmark (bench/decode_throughput.py, Qwen 1.5B at 32K) on a GPU. It runs
+# the model on the CPU (it has no --device yet), and the lent machine could not hold it anyway: it
+# reaches no model hub and takes at most 64 MiB of files a call, against the 1.5B's 3 GB of
+# weights, and its image lacks pydantic and nixl (they would have to travel as wheels).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/oasiskv-device}
