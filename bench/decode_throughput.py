@@ -3,6 +3,8 @@ concurrent requests per context length, the KV store in ANOTHER process reached 
 
     python bench/decode_throughput.py           # qwen2.5-coder-0.5b, 8 requests at 8K and at 16K, 128 tokens
     python bench/decode_throughput.py --quick   # smollm2-135m, 8 requests at 2K and 4K, 32 tokens, budget 512
+    python bench/decode_throughput.py --device cuda --dtype bfloat16 --model qwen2.5-coder-1.5b --contexts 32512
+                                                # on a GPU: model, prefill pass and KV pool in its memory
 
 Setup (not timed as decode):
 - The store is started as its own process (`python -m oasiskv.kvstore --transport nixl`) and
@@ -68,6 +70,7 @@ from oasiskv.decode_node.lookahead import select_blocks  # noqa: E402
 from oasiskv.decode_node.draft_model import build_drafter  # noqa: E402
 from oasiskv.decode_node.speculative import DrafterMismatch  # noqa: E402
 from oasiskv.kvstore import connect, ranking_radius_weight  # noqa: E402
+from oasiskv.models.device import require_device  # noqa: E402
 from oasiskv.models.errors import ModelError  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import PrefillResult, kv_layout_for  # noqa: E402
@@ -148,13 +151,14 @@ class PromptSet:
         return self._first[length]
 
     def selection(self, length: int, budget_blocks: int) -> torch.Tensor:
-        """[layers, kv_heads, k] first working set from the last prompt row's queries (as Prefiller)."""
+        """[layers, kv_heads, k] first working set from the last prompt row's queries (as Prefiller),
+        in host memory as Prefiller hands it over."""
         num_blocks = length // BLOCK
         start, stop = self.sinks, max(self.sinks, num_blocks - self.window)
         query = self.ctx.queries[length - 1]
         scale = self.ctx.model.config.softmax_scale
         return torch.stack([select_blocks(query[layer][None], self.summaries[layer], start, stop, budget_blocks, scale,
-                                                  self.radius_weight)
+                                          self.radius_weight).cpu()
                             for layer in range(self.num_layers)])
 
     def write(self, client, request_id: str, length: int, budget_blocks: int) -> PrefillResult:
@@ -174,6 +178,10 @@ class Timers:
     """Wraps engine / backend methods with wall-clock accumulators (bench-side only)."""
 
     def __init__(self, engine: DecodeEngine):
+        # On a GPU kernels run after their launch returns: without a sync at each timer's edges the
+        # time of one part would land in whichever part next waits for the device.
+        device = torch.device(engine.config.device)
+        self._sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         self.t = {}
         self.peak_rows = 0
         self.peak_summary_rows = 0
@@ -192,19 +200,19 @@ class Timers:
 
         def select(*a, **kw):
             self._selecting = True
-            started = time.perf_counter()
+            started = self._now()
             try:
                 return original_select(*a, **kw)
             finally:
-                self._add("select_and_fetch", time.perf_counter() - started)
+                self._add("select_and_fetch", self._now() - started)
                 self._selecting = False
 
         def await_layer(*a, **kw):
-            started = time.perf_counter()
+            started = self._now()
             try:
                 return original_await(*a, **kw)
             finally:
-                self._add("on_demand_wait" if self._selecting else "prefetch_wait", time.perf_counter() - started)
+                self._add("on_demand_wait" if self._selecting else "prefetch_wait", self._now() - started)
 
         backend._select_and_fetch = select
         backend.transfers.await_layer = await_layer
@@ -217,28 +225,28 @@ class Timers:
             config = model.config
 
             def __call__(self, *a, **kw):
-                started = time.perf_counter()
+                started = timers._now()
                 try:
                     return model(*a, **kw)
                 finally:
-                    timers._add("forward", time.perf_counter() - started)
+                    timers._add("forward", timers._now() - started)
 
             def compute_logits(self, hidden):
-                started = time.perf_counter()
+                started = timers._now()
                 try:
                     return model.compute_logits(hidden)
                 finally:
-                    timers._add("lm_head", time.perf_counter() - started)
+                    timers._add("lm_head", timers._now() - started)
 
         engine.model = TimedModel()
         original_verify = engine_module.verify
 
         def verify(*a, **kw):
-            started = time.perf_counter()
+            started = self._now()
             try:
                 return original_verify(*a, **kw)
             finally:
-                self._add("verify", time.perf_counter() - started)
+                self._add("verify", self._now() - started)
 
         self._original_verify = original_verify
         engine_module.verify = verify
@@ -260,14 +268,18 @@ class Timers:
         original = getattr(obj, name)
 
         def timed(*a, **kw):
-            started = time.perf_counter()
+            started = self._now()
             try:
                 return original(*a, **kw)
             finally:
-                self._add(key, time.perf_counter() - started)
+                self._add(key, self._now() - started)
 
         setattr(obj, name, timed)
         self._wrapped.append((obj, name))
+
+    def _now(self) -> float:
+        self._sync()
+        return time.perf_counter()
 
     def _add(self, key: str, seconds: float) -> None:
         self.t[key] = self.t.get(key, 0.0) + seconds
@@ -276,7 +288,7 @@ class Timers:
         """run_to_completion, tracking the peak of pool rows in use after every step."""
         engine = self.engine
         final = {}
-        started = time.perf_counter()
+        started = self._now()
         while engine.has_unfinished:
             outputs = engine.step()
             self.request_steps += sum(1 for out in outputs if out.new_token_ids)
@@ -285,7 +297,7 @@ class Timers:
                     final[out.request_id] = out
             self.peak_rows = max(self.peak_rows, engine.pool.rows_used)
             self.peak_summary_rows = max(self.peak_summary_rows, sum(r.plan.summary_pages for r in engine.running))
-        self.t["wall"] = time.perf_counter() - started
+        self.t["wall"] = self._now() - started
         return final
 
 
@@ -315,7 +327,7 @@ def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], ar
     mode, variant = parse_mode(label, MODES)
     config = DecodeConfig(mode=mode, kv_pool_gb=pool_gb, budget_tokens=args.budget_tokens,
                           num_draft_tokens=args.num_draft_tokens, sink_blocks=args.sink_blocks,
-                          window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)),
+                          window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)), device=args.device,
                           **decode_overrides(args, OVERRIDES, variant))
     engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=drafter)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
@@ -361,6 +373,11 @@ def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], ar
     }
 
 
+def device_name(device: str) -> str:
+    parsed = torch.device(device)
+    return torch.cuda.get_device_name(parsed) if parsed.type == "cuda" else platform.processor() or platform.machine()
+
+
 def dense_rows(length: int, new_tokens: int, k: int) -> int:
     return -(-(length + new_tokens + k + 1) // BLOCK) + 1  # DecodeEngine.row_plan for dense
 
@@ -369,6 +386,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default qwen2.5-coder-0.5b (--quick: smollm2-135m)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda or cuda:N: where the model, the prefill pass and the decode node's KV pool "
+                             "live (the store stays in host memory, in its own process)")
     parser.add_argument("--contexts", default=None, help="comma-separated (default 8192,16384; quick 2048,4096)")
     parser.add_argument("--requests", type=int, default=8, help="concurrent requests per context")
     parser.add_argument("--prompt-step", type=int, default=64,
@@ -410,15 +430,20 @@ def main(argv=None) -> int:
         except ValueError as error:
             parser.error(str(error))
     k = args.num_draft_tokens
+    try:
+        require_device(args.device)
+    except ValueError as error:
+        parser.error(f"--device {args.device}: {error}")
 
     started = time.perf_counter()
-    llm = load_llm(args.model, args.dtype)
+    llm = load_llm(args.model, args.dtype, args.device)
     model = llm.model
     if max(contexts) + args.new_tokens + k + 1 > llm.max_model_len:
         parser.error(f"context + new tokens exceed {args.model}'s {llm.max_model_len} tokens")
     try:  # before the long prefill pass: a draft model that cannot serve this target fails at once
         # The bench sets no draft-model option: every run's config has the defaults.
-        drafter = build_drafter(DecodeConfig(drafter=args.drafter), model, llm.tokenizer, next(model.parameters()).dtype)
+        drafter = build_drafter(DecodeConfig(drafter=args.drafter, device=args.device), model, llm.tokenizer,
+                                next(model.parameters()).dtype)
     except (DrafterMismatch, ModelError) as error:
         parser.error(f"--drafter {args.drafter}: {error}")
     lengths = {c: [c - args.prompt_step * i for i in range(args.requests)] for c in contexts}
@@ -435,7 +460,8 @@ def main(argv=None) -> int:
     store_gb = 1.15 * args.requests * (max(contexts) + args.new_tokens + 4 * BLOCK) * per_token / 2**30 + 0.05
     store = StoreProcess(store_gb)
     results = {
-        "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
+        "model": args.model, "dtype": args.dtype, "device": args.device, "device_name": device_name(args.device),
+        "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "machine": platform.processor() or platform.machine(),
         "requests": args.requests, "prompt_step": args.prompt_step, "new_tokens": args.new_tokens,
         "budget_tokens": args.budget_tokens,

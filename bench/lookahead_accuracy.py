@@ -168,11 +168,13 @@ class DenseContext:
         self.summary_dtype = summary_dtype
         self.ids = list(ids)
         self.dtype = next(model.parameters()).dtype
+        # The model's device: the cache, the batch and every index tensor of a forward live there.
+        self.device = device = next(model.parameters()).device
         n = len(ids)
         self.num_blocks = -(-n // BLOCK)
         total_blocks = self.num_blocks + -(-scratch_tokens // BLOCK)
         spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK, self.dtype)
-        self.cache = PagedKVCache(spec, total_blocks)
+        self.cache = PagedKVCache(spec, total_blocks, device)
         self.table = list(range(total_blocks))
         self.scratch = self.num_blocks * BLOCK
         self.backend = CapturingAttention(self.cache, config.sliding_window, config.softmax_scale, config.num_layers)
@@ -182,9 +184,10 @@ class DenseContext:
             for start in range(0, n, chunk_tokens):
                 end = min(n, start + chunk_tokens)
                 rows = [p - start for p in keep if start <= p < end]
-                self.backend.keep = torch.tensor(rows, dtype=torch.long) if rows else None
-                self.backend.batch = AttentionBatch.dense([self.table], [start], [end - start], BLOCK)
-                hidden = model(torch.tensor(ids[start:end]), torch.arange(start, end), self.backend)
+                self.backend.keep = torch.tensor(rows, dtype=torch.long, device=device) if rows else None
+                self.backend.batch = AttentionBatch.dense([self.table], [start], [end - start], BLOCK, device)
+                hidden = model(torch.tensor(ids[start:end], device=device), torch.arange(start, end, device=device),
+                               self.backend)
                 if rows:
                     hidden_rows.append(hidden[rows].clone())
                 if progress is not None:
@@ -199,14 +202,14 @@ class DenseContext:
     def verify(self, t: int, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows `tokens` at positions t.. against the cached keys < t: (queries [layers, rows,
         heads, d], logits [rows, vocab])."""
-        rows = len(tokens)
-        positions = torch.arange(t, t + rows)
-        scratch = self.scratch + torch.arange(rows)
-        slots = torch.cat((torch.arange(t), scratch))
-        key_positions = torch.cat((torch.arange(t), positions))
+        rows, device = len(tokens), self.device
+        positions = torch.arange(t, t + rows, device=device)
+        scratch = self.scratch + torch.arange(rows, device=device)
+        slots = torch.cat((torch.arange(t, device=device), scratch))
+        key_positions = torch.cat((torch.arange(t, device=device), positions))
         self.backend.batch = AttentionBatch.from_key_lists([positions], [slots], [key_positions], scratch)
-        self.backend.keep = torch.arange(rows)
-        hidden = self.model(torch.tensor(tokens), positions, self.backend)
+        self.backend.keep = torch.arange(rows, device=device)
+        hidden = self.model(torch.tensor(tokens, device=device), positions, self.backend)
         self.backend.keep = None
         return self.backend.take(), self.model.compute_logits(hidden)
 
@@ -228,12 +231,13 @@ class DenseContext:
         return narrow_summaries(exact, dtype).float()
 
     def packed_kv(self, num_blocks: int) -> torch.Tensor:
-        """[layers, blocks, kv_heads, 2, block_size, d] of blocks < num_blocks: the store's unit layout."""
+        """[layers, blocks, kv_heads, 2, block_size, d] of blocks < num_blocks: the store's unit
+        layout, in host memory (what the store is written from and NIXL registers)."""
         layers = []
         for k, v in zip(self.cache.k, self.cache.v):
             kv = torch.stack((k[:, : num_blocks * BLOCK], v[:, : num_blocks * BLOCK]), dim=1)  # [h, 2, T, d]
             h, _, _, d = kv.shape
-            layers.append(kv.view(h, 2, num_blocks, BLOCK, d).permute(2, 0, 1, 3, 4))
+            layers.append(kv.view(h, 2, num_blocks, BLOCK, d).permute(2, 0, 1, 3, 4).cpu())
         return torch.stack(layers).contiguous()
 
 
@@ -262,10 +266,10 @@ def candidate_mask(t: int, sink_blocks: int, window_blocks: int) -> torch.Tensor
     return mask
 
 
-def load_llm(name: str, dtype: str = "float32"):
+def load_llm(name: str, dtype: str = "float32", device: str = "cpu"):
     from oasiskv.models.engine import LLM
 
-    return LLM(name, dtype=dtype, kv_cache_gb=0.05)
+    return LLM(name, dtype=dtype, kv_cache_gb=0.05, device=device)
 
 
 # ---------------------------------------------------------------------------------------------
