@@ -373,11 +373,6 @@ def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], ar
     }
 
 
-def device_name(device: str) -> str:
-    parsed = torch.device(device)
-    return torch.cuda.get_device_name(parsed) if parsed.type == "cuda" else platform.processor() or platform.machine()
-
-
 def dense_rows(length: int, new_tokens: int, k: int) -> int:
     return -(-(length + new_tokens + k + 1) // BLOCK) + 1  # DecodeEngine.row_plan for dense
 
@@ -459,10 +454,12 @@ def main(argv=None) -> int:
     per_token = layout.num_layers * layout.num_kv_heads * layout.unit_bytes / BLOCK
     store_gb = 1.15 * args.requests * (max(contexts) + args.new_tokens + 4 * BLOCK) * per_token / 2**30 + 0.05
     store = StoreProcess(store_gb)
+    machine = platform.processor() or platform.machine()
+    gpu = torch.device(args.device).type == "cuda"
     results = {
-        "model": args.model, "dtype": args.dtype, "device": args.device, "device_name": device_name(args.device),
-        "threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "machine": platform.processor() or platform.machine(),
+        "model": args.model, "dtype": args.dtype, "device": args.device,
+        "device_name": torch.cuda.get_device_name(args.device) if gpu else machine, "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "machine": machine,
         "requests": args.requests, "prompt_step": args.prompt_step, "new_tokens": args.new_tokens,
         "budget_tokens": args.budget_tokens,
         "num_draft_tokens": k, "drafter": args.drafter, "dense_fit": args.dense_fit, "repeats": args.repeats, "transport": "nixl",

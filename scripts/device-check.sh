@@ -3,13 +3,10 @@
 #
 #   bash scripts/device-check.sh            # results and logs under $OUT (default /tmp/oasiskv-device)
 #
-# It needs only torch, Triton and pytest, which GPU images carry, and runs from the source tree
+# Steps 1 and 2 need only torch, Triton and pytest, which GPU images carry, and run from the source tree
 # (PYTHONPATH), so nothing is installed and no network is needed:
 #   1. the `cuda` tests of the Triton sparse-attention kernel against the torch path;
-#   2. bench/attention_kernel.py: torch path vs Triton kernel at decode shapes (JSON + PNG).
-# The engine-level CUDA test (tests/decode_node/test_triton_engine.py) needs the whole install
-# and a model, and the block-ranking `cuda` test needs the package's dependencies; run them with
-# `pytest -m cuda tests/decode_node` where both are there.
+#   2. bench/attention_kernel.py: torch path vs Triton kernel at decode shapes (JSON + PNG);
 #   3. bench/decode_throughput.py --device cuda: dense vs lookahead, Qwen 1.5B bf16 at 32K (the
 #      GPU check of the decode node), where the package's dependencies (pydantic, nixl) import and
 #      the model is already pulled (`oasiskv pull qwen2.5-coder-1.5b`); otherwise it says which is
@@ -17,6 +14,9 @@
 #      neither: it reaches no model hub, takes at most 64 MiB of files a call against the 1.5B's
 #      3 GB of weights, and its image lacks pydantic and nixl. A GPU host with `bash
 #      scripts/install.sh` run on it has both.
+# The engine-level CUDA test (tests/decode_node/test_triton_engine.py) needs the whole install
+# and a model, and the block-ranking `cuda` test needs the package's dependencies; run them with
+# `pytest -m cuda tests/decode_node` where both are there.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/oasiskv-device}
