@@ -35,7 +35,9 @@ Measured per mode (the decode engine's own counters plus timers around its parts
   such as qwen2.5-coder-0.5b for the 1.5B target, the same for every mode), prediction recall
   (sparse modes);
 - time breakdown: admission, model forward (and inside it: block selection + fetch issue,
-  waits for transfers, the recall counter's own scoring), write-back, drafting, verification.
+  waits for transfers, the recall counter's own scoring), write-back, drafting, verification
+  (`--timing wall` leaves it out: on a GPU its timers synchronize the device several times a
+  layer, which costs the overlap of host and kernels that serving has).
 Ratios: lookahead / dense and sparse-current / dense tokens/s, and dense / mode KV moved per
 request. Medians over --repeats (interleaved runs of the modes). Goal: lookahead >= 2x dense
 tokens/s and >= 6x less KV moved per request.
@@ -175,9 +177,13 @@ class PromptSet:
 
 # -- timers around the engine's parts -------------------------------------------------------------
 class Timers:
-    """Wraps engine / backend methods with wall-clock accumulators (bench-side only)."""
+    """Wraps engine / backend methods with wall-clock accumulators (bench-side only).
 
-    def __init__(self, engine: DecodeEngine):
+    With parts=False only the wall is timed: nothing is wrapped, so on a GPU the device is
+    synchronized only at the run's two edges and the host runs ahead of the kernels as it would
+    when serving."""
+
+    def __init__(self, engine: DecodeEngine, parts: bool = True):
         # On a GPU kernels run after their launch returns: without a sync at each timer's edges the
         # time of one part would land in whichever part next waits for the device.
         device = torch.device(engine.config.device)
@@ -189,6 +195,13 @@ class Timers:
         self._selecting = False
         self.engine = engine
         self._wrapped = []  # (object, name): wrappers set on instances, over their class's methods
+        self._model = engine.model
+        self._original_verify = engine_module.verify
+        if parts:
+            self._wrap_parts()
+
+    def _wrap_parts(self) -> None:
+        engine = self.engine
         backend = engine.backend
         self._wrap(engine, "_admit", "admission")
         self._wrap(engine, "_propose", "drafting")
@@ -217,8 +230,7 @@ class Timers:
         backend._select_and_fetch = select
         backend.transfers.await_layer = await_layer
         self._wrapped += [(backend, "_select_and_fetch"), (backend.transfers, "await_layer")]
-        model = engine.model
-        self._model = model
+        model = self._model
         timers = self
 
         class TimedModel:
@@ -239,7 +251,7 @@ class Timers:
                     timers._add("lm_head", timers._now() - started)
 
         engine.model = TimedModel()
-        original_verify = engine_module.verify
+        original_verify = self._original_verify
 
         def verify(*a, **kw):
             started = self._now()
@@ -248,7 +260,6 @@ class Timers:
             finally:
                 self._add("verify", self._now() - started)
 
-        self._original_verify = original_verify
         engine_module.verify = verify
 
     def restore(self) -> None:
@@ -302,7 +313,9 @@ class Timers:
 
 
 def breakdown(t: dict) -> dict:
-    """Disjoint parts of the wall time (seconds)."""
+    """Disjoint parts of the wall time (seconds); empty when only the wall was timed."""
+    if set(t) == {"wall"}:
+        return {}
     inside = ("attention", "select_and_fetch", "prefetch_wait", "recall_counter")
     forward_rest = t.get("forward", 0.0) - sum(t.get(k, 0.0) for k in inside)
     parts = {
@@ -335,7 +348,7 @@ def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], ar
     write_started = time.perf_counter()
     results = [prompts.write(client, rid, length, config.budget_blocks) for rid, length in zip(ids, lengths)]
     write_s = time.perf_counter() - write_started
-    timers = Timers(engine)
+    timers = Timers(engine, parts=args.timing == "parts")
     try:
         for result in results:
             engine.add(result, params)
@@ -408,6 +421,9 @@ def main(argv=None) -> int:
                         help="lookahead's on-demand top-up per layer and KV head (default: DecodeConfig's, 0)")
     parser.add_argument("--lookahead-layer-group", type=int, default=None,
                         help="layers whose look-ahead selection runs together (default: DecodeConfig's)")
+    parser.add_argument("--timing", default="parts", choices=["parts", "wall"],
+                        help="parts: a time breakdown, the GPU synchronized at every part's edges (several times a "
+                             "layer); wall: only the whole run timed, the GPU synchronized at its two edges")
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))
@@ -461,7 +477,7 @@ def main(argv=None) -> int:
         "device_name": torch.cuda.get_device_name(args.device) if gpu else machine, "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "machine": machine,
         "requests": args.requests, "prompt_step": args.prompt_step, "new_tokens": args.new_tokens,
-        "budget_tokens": args.budget_tokens,
+        "budget_tokens": args.budget_tokens, "timing": args.timing,
         "num_draft_tokens": k, "drafter": args.drafter, "dense_fit": args.dense_fit, "repeats": args.repeats, "transport": "nixl",
         "store": store.ready_line, "store_capacity_gb": store_gb, "prefill_one_pass_s": prefill_s,
         "goal": {"speedup": GOAL_SPEEDUP, "less_kv": GOAL_LESS_KV}, "contexts": [],
@@ -533,8 +549,8 @@ def print_tables(results: dict) -> None:
                   f"{r['kv_bytes_per_token'] / 1024:>9.0f}{r['peak_kv_bytes'] / mib:>12.0f}{_pct(r['acceptance_rate']):>8}"
                   f"{_pct(r['prediction_recall']):>8}{r['steps']:>7}{r['mean_batch']:>7.1f}"
                   f"{str(r.get('outputs_identical_to_dense', '-')) + '/' + str(r['requests']):>9}")
-        print("  time breakdown (s):")
         names = list(next(iter(ctx["modes"].values()))["breakdown_s"])
+        print("  time breakdown (s):" if names else "  time: the wall only (--timing wall)")
         print(f"  {'':<44}" + "".join(f"{m:>16}" for m in ctx["modes"]))
         for name in names + ["wall"]:
             cells = "".join(f"{(r['wall_s'] if name == 'wall' else r['breakdown_s'][name]):>16.2f}" for r in ctx["modes"].values())
