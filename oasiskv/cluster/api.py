@@ -153,13 +153,20 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=max(0, body.top_k), stop=body.stop_list, seed=body.seed,
-                              ignore_eos=body.ignore_eos)
+                              ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []))
     except (ValueError, ValidationError) as exc:
         raise ApiError(400, str(exc), "invalid_request_error") from exc
 
 
 async def _serve(service: ClusterService, request: Request, body, ids: list[int], kind: str):
     params = _sampling(body, len(ids), service.max_model_len)
+    vocab = service.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for t in params.stop_token_ids):
+        raise ApiError(422, f"stop_token_ids must be in [0, {vocab})", "invalid_request_error", "stop_token_ids")
+    block = service.config.decode.block_size
+    if body.oasiskv_budget_tokens is not None and body.oasiskv_budget_tokens % block:
+        raise ApiError(422, f"oasiskv_budget_tokens must be a multiple of the block size ({block}), got "
+                            f"{body.oasiskv_budget_tokens}", "invalid_request_error", "oasiskv_budget_tokens")
     request_id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
     events = service.generate(request_id, ids, params, body.oasiskv_mode, body.oasiskv_budget_tokens)
     try:

@@ -8,11 +8,25 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..models.sampling import SEED_MAX, SEED_MIN
+
 Mode = Literal["dense", "sparse-current", "lookahead"]
 
 
 class UnsupportedFeature(ValueError):
     """A valid OpenAI field whose non-default value this server does not implement."""
+
+
+def _encodable(value):
+    """JSON may carry a lone UTF-16 surrogate (\\ud800), which no tokenizer can encode: refuse it
+    here, by field, instead of failing inside the tokenizer."""
+    texts = [value] if isinstance(value, str) else [v for v in value or () if isinstance(v, str)]
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"text is not valid Unicode: a lone surrogate at character {exc.start}") from None
+    return value
 
 
 class _SamplingFields(BaseModel):
@@ -24,7 +38,7 @@ class _SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="extension: 0 or -1 disables")
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     n: int = 1
     presence_penalty: float = 0.0
@@ -32,7 +46,9 @@ class _SamplingFields(BaseModel):
     logprobs: bool | int | None = None
     user: str | None = None
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(None, description="extension (as vLLM's): token ids that end the output")
     stream_options: dict | None = None
+    logit_bias: dict | None = None
     # OasisKV extensions: how this request is decoded.
     oasiskv_mode: Mode | None = None
     oasiskv_budget_tokens: int | None = Field(None, ge=16)
@@ -44,6 +60,10 @@ class _SamplingFields(BaseModel):
             raise UnsupportedFeature("presence_penalty and frequency_penalty are not supported")
         if self.logprobs not in (None, False, 0):
             raise UnsupportedFeature("logprobs are not supported")
+        if self.logit_bias:
+            raise UnsupportedFeature("logit_bias is not supported")
+
+    _stop_text = field_validator("stop")(_encodable)
 
     @property
     def stop_list(self) -> list[str]:
@@ -61,6 +81,8 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    _prompt_text = field_validator("prompt")(_encodable)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -91,13 +113,28 @@ class ChatMessage(BaseModel):
                 if part.get("type") != "text":
                     raise ValueError(f"content part type {part.get('type')!r} is not supported (text only)")
                 texts.append(part.get("text", ""))
-            return "".join(texts)
-        return value
+            value = "".join(texts)
+        return _encodable(value)
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # Refused rather than ignored: a client that asks for JSON or a tool call must not get free text.
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise UnsupportedFeature(f"response_format {kind!r} is not supported (free text only)")
+        if self.tools and self.tool_choice != "none":
+            raise UnsupportedFeature("tools (function calling) are not supported")
+        if self.top_logprobs:
+            raise UnsupportedFeature("logprobs are not supported")
 
 
 def new_id(prefix: str) -> str:

@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# A seed is a signed 64-bit integer (OpenAI's and vLLM's range); the engines derive further
+# generators from seed + 1 and seed + 2, which torch still takes (it accepts up to 2**64 - 1).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
 
 @dataclass
 class SamplingParams:
@@ -31,6 +35,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be a signed 64-bit integer, in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
 
     @property
     def greedy(self) -> bool:

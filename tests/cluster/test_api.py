@@ -4,6 +4,7 @@ driven with the official `openai` client. Greedy outputs must equal the single-p
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -52,6 +53,21 @@ def test_completion_matches_the_engine(client, smollm2_llm):
     assert out.usage.completion_tokens == 24 and out.choices[0].finish_reason == "length"
 
 
+def test_stop_token_ids_end_the_output_at_that_token(client, smollm2_llm):
+    prompt = "def fibonacci(n):"
+    ids = smollm2_llm.encode(prompt)
+    full = smollm2_llm.generate([ids], SamplingParams(max_tokens=12))[0].token_ids
+    stop_at = next(i for i, t in enumerate(full) if i >= 3 and t not in full[:i])  # a token's first appearance
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"stop_token_ids": [full[stop_at]]})
+    assert out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == stop_at + 1
+    assert out.choices[0].text == smollm2_llm.tokenizer.decode(full[: stop_at + 1])
+    with pytest.raises(openai.UnprocessableEntityError, match="stop_token_ids"):
+        client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=4,
+                                  extra_body={"stop_token_ids": [10**9]})
+
+
 def test_streamed_chat_matches_the_engine(client, smollm2_llm):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     stream = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=20, temperature=0,
@@ -86,6 +102,12 @@ def test_sixteen_concurrent_streams_of_different_lengths(server, smollm2_llm):
     assert texts == [e.text for e in expected]
 
 
+def _post(server, path: str, body: dict) -> httpx.Response:
+    # json.dumps escapes a lone surrogate as \\udXXX (valid JSON); httpx's own encoder would refuse it.
+    return httpx.post(f"{server.url}/v1/{path}", content=json.dumps(body),
+                      headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+
+
 @pytest.mark.parametrize(
     "body, status, fragment",
     [
@@ -99,13 +121,42 @@ def test_sixteen_concurrent_streams_of_different_lengths(server, smollm2_llm):
         ({"prompt": "hi"}, 422, "model"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": -3}, 422, "max_tokens"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": "many"}, 422, "max_tokens"),
+        # Each of these once reached a worker and came back as a 503 ("retry it") or a bare 500.
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "seed": 2**70}, 422, "seed"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "oasiskv_budget_tokens": 24}, 422, "multiple of the block size"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi \ud800", "max_tokens": 4}, 422, "lone surrogate"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "stop": ["\udc00"]}, 422, "lone surrogate"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "logit_bias": {"42": 5}}, 400, "logit_bias"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, fragment):
-    response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"})
+    response = _post(server, "completions", body)
     assert response.status_code == status
     error = response.json()["error"]
     assert fragment in error["message"] and error["code"] == status
+
+
+@pytest.mark.parametrize(
+    "extra, status, fragment",
+    [
+        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}, 422, "lone surrogate"),
+    ],
+)
+def test_chat_features_it_cannot_honour_are_refused(server, extra, status, fragment):
+    body = {"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    response = _post(server, "chat/completions", body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert fragment in error["message"] and error["code"] == status
+
+
+def test_the_json_free_text_format_and_declined_tools_are_served(client):
+    reply = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=4, temperature=0, response_format={"type": "text"},
+                                           tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none")
+    assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 4
 
 
 def test_malformed_json_is_400(server):

@@ -51,8 +51,23 @@ def test_greedy_is_argmax():
         ({"top_p": 0}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"stop": [""]}, "stop"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
     ],
 )
 def test_bad_parameters_name_the_problem(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_the_extreme_seeds_sample_and_repeat():
+    """The engines seed further generators from seed + 1 and seed + 2: the ends of the range must
+    still give torch a seed it takes, and the same seed the same tokens."""
+    from oasiskv.models.sampling import SEED_MAX, SEED_MIN, make_generator
+
+    logits = torch.randn(1, 50)
+    for seed in (SEED_MIN, SEED_MAX):
+        params = SamplingParams(temperature=1.0, seed=seed)
+        for offset in (1, 2):
+            runs = [sample(logits, [params], [make_generator(seed + offset)]) for _ in range(2)]
+            assert runs[0] == runs[1]
