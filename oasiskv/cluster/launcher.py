@@ -24,6 +24,38 @@ class NotEnoughGPUs(RuntimeError):
     """device='cuda' asks for more GPUs than the Ray cluster has: the actors would wait forever."""
 
 
+class WorkerStartFailed(RuntimeError):
+    """A worker's constructor raised (a draft model that does not fit the target, a pool that
+    does not fit the device...): the message is the worker's own exception, without Ray's
+    traceback around it."""
+
+
+def _raised_in_worker(error_msg: str) -> str:
+    """The exception line(s) at the end of the traceback text Ray carries for a failed actor
+    constructor: everything after the last frame (`  File ...` and its indented source lines)."""
+    lines = error_msg.rstrip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    if not frames:
+        return lines[-1].strip() if lines else error_msg
+    rest = lines[frames[-1] + 1 :]
+    while rest and (rest[0].startswith("    ") or not rest[0].strip()):
+        rest = rest[1:]  # the frame's source line and its ^^^ markers
+    return "\n".join(rest).strip() or lines[-1].strip()
+
+
+def _wait_ready(slots: list[WorkerSlot], timeout_s: float) -> list:
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        return ray.get([slot.handle.ready.remote() for slot in slots], timeout=timeout_s)
+    except RayActorError as error:
+        if not getattr(error, "_actor_init_failed", False):
+            raise
+        name = next((s.name for s in slots if error.actor_id and s.handle._actor_id.hex() == error.actor_id), "a worker")
+        raise WorkerStartFailed(f"{name} failed to start: {_raised_in_worker(error.error_msg)}") from None
+
+
 def _options(config: ServeConfig, role: str, **extra) -> dict:
     options = {"num_cpus": 0, **extra}
     if config.placement == "resources":
@@ -100,8 +132,8 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
             config.model, config.decode.model_dump(), config.dtype, threads, config.transport))
         for i in range(config.decode_workers)
     ]
-    ray.get([w.handle.ready.remote() for w in prefill], timeout=timeout_s)
-    for slot, info in zip(decode, ray.get([w.handle.ready.remote() for w in decode], timeout=timeout_s)):
+    _wait_ready(prefill, timeout_s)
+    for slot, info in zip(decode, _wait_ready(decode, timeout_s)):
         slot.capacity = info["pool_rows"]
     log.info("cluster up: %d prefill, %d decode, %d store(s)", len(prefill), len(decode), len(stores))
     return ClusterHandles(prefill, decode, stores)

@@ -107,7 +107,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from ..models.errors import ModelError
-    from .launcher import NotEnoughGPUs
+    from .launcher import NotEnoughGPUs, WorkerStartFailed
     from .server import run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -118,7 +118,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     try:
         run_server(config)
-    except (ModelError, NotEnoughGPUs) as error:
+    except (ModelError, NotEnoughGPUs, WorkerStartFailed) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -10,13 +10,26 @@ from pathlib import Path
 
 
 class ModelError(Exception):
-    """Base of the errors raised while pulling, verifying or converting a model."""
+    """Base of the errors raised while pulling, verifying or converting a model.
+
+    Subclasses keep the arguments they were built from in `_built_from`: pickling (Ray ships a
+    worker's exception to the caller) rebuilds an exception from its args, which here are the
+    formatted message, not the constructor's arguments, and a worker's error would otherwise
+    arrive as Ray's UnserializableException instead of this message."""
+
+    _built_from: tuple = ()
+
+    def __reduce__(self):
+        if not self._built_from:
+            return super().__reduce__()
+        return (type(self), self._built_from, self.__dict__)
 
 
 class UnknownModelError(ModelError, KeyError):
     def __init__(self, name: str, known: list[str] | tuple[str, ...]):
         self.name = name
         self.known = tuple(known)
+        self._built_from = (name, self.known)
         super().__init__(name)
 
     def __str__(self) -> str:
@@ -32,6 +45,7 @@ class CorruptModelError(ModelError, ValueError):
     def __init__(self, path: str | Path, problem: str):
         self.path = Path(path)
         self.problem = problem
+        self._built_from = (path, problem)
         super().__init__(f"{self.path}: {problem}")
 
 
@@ -40,6 +54,7 @@ class ModelPullError(ModelError, RuntimeError):
 
     def __init__(self, message: str, stderr: str = ""):
         self.stderr = stderr
+        self._built_from = (message, stderr)
         tail = "\n".join(stderr.strip().splitlines()[-15:])
         super().__init__(f"{message}\n--- pip said ---\n{tail}" if tail else message)
 
@@ -49,4 +64,5 @@ class UnsupportedGGUFError(ModelError, ValueError):
 
     def __init__(self, path: str | Path, problem: str):
         self.path = Path(path)
+        self._built_from = (path, problem)
         super().__init__(f"{self.path}: {problem}")

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 import torch
 
 from oasiskv.cluster.config import ServeConfig
+from oasiskv.cluster.launcher import _raised_in_worker
 from oasiskv.cluster.serve_command import add_arguments_serve, config_from_args
 from oasiskv.kvstore import DEFAULT_SUMMARY_KIND, KVStoreServer, connect, summarize_request
 from oasiskv.prefill_node.worker import PrefillWorker
@@ -40,6 +41,25 @@ def test_the_command_line_exits_2_on_a_bad_fraction_without_starting_ray():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "max_replace_fraction" in done.stderr
+
+
+def test_a_worker_that_cannot_start_is_named_with_its_own_error():
+    """The decode worker's constructor raises (its draft model does not exist): serve exits 2 with
+    one line naming the worker and the cause, not Ray's traceback of the actor's death."""
+    done = subprocess.run([sys.executable, "-m", "oasiskv.cluster.cli", "serve", "--drafter", "nosuch", "--port", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "error: decode-0 failed to start: " in done.stderr and "unknown model 'nosuch'" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_the_exception_is_cut_from_the_traceback_ray_carries():
+    text = ("The actor died because of an error raised in its creation task, ray::DecodeWorker.__init__() "
+            "(pid=1, ip=x)\n  File \"/w/worker.py\", line 44, in __init__\n    drafter = build_drafter(...)\n"
+            "              ^^^^^^^^^^^^^\n  File \"/w/speculative.py\", line 9, in build\n    raise DrafterMismatch(\n"
+            "pkg.DrafterMismatch: vocabularies differ\nsecond line of the message")
+    assert _raised_in_worker(text) == "pkg.DrafterMismatch: vocabularies differ\nsecond line of the message"
+    assert _raised_in_worker("no frames at all\nRuntimeError: boom") == "RuntimeError: boom"
 
 
 def test_lookahead_topup_reaches_the_decode_config():

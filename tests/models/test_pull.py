@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import pickle
 import shutil
 import struct
 import subprocess
@@ -13,7 +14,13 @@ import pytest
 
 from oasiskv.cluster.cli import main as cli_main
 from oasiskv.models.assemble import assemble_gguf
-from oasiskv.models.errors import CorruptModelError, ModelError, ModelPullError, UnknownModelError
+from oasiskv.models.errors import (
+    CorruptModelError,
+    ModelError,
+    ModelPullError,
+    UnknownModelError,
+    UnsupportedGGUFError,
+)
 from oasiskv.models.gguf_check import verify_gguf
 from oasiskv.models.gguf_convert import read_gguf
 from oasiskv.models.model_cache import CacheLayout, atomic_dir, atomic_file, cache_root, is_current
@@ -42,6 +49,19 @@ def test_unknown_model_lists_known_names():
     message = str(err.value)
     assert "llama-9000" in message
     assert all(name in message for name in NAMES)
+
+
+@pytest.mark.parametrize("error", [
+    UnknownModelError("nosuch", ["a", "b"]),
+    CorruptModelError("/models/x.gguf", "bad magic"),
+    ModelPullError("pip failed", "line 1\nline 2"),
+    UnsupportedGGUFError("/models/x.gguf", "architecture mamba"),
+])
+def test_model_errors_survive_pickling_with_their_message(error):
+    """Ray pickles a worker's exception to the caller: one that does not rebuild arrives as Ray's
+    UnserializableException, and `oasiskv serve` could not name the model."""
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is type(error) and str(copy) == str(error) and copy.__dict__ == error.__dict__
 
 
 def test_cli_list_prints_the_names(capsys, tmp_path):
