@@ -119,6 +119,15 @@ class DecodeEngine:
             raise ValueError(f"mode must be dense, sparse-current or lookahead, got {mode!r}")
         if budget_tokens is not None and (budget_tokens < self.config.block_size or budget_tokens % self.config.block_size):
             raise ValueError(f"budget_tokens must be a positive multiple of {self.config.block_size}, got {budget_tokens}")
+        if any(r.request_id == prefill.request_id for r in (*self.waiting, *self.running)):
+            # Both would free the same store request when they finish, and the other would fail mid-step.
+            raise ValueError(f"request {prefill.request_id!r} is already in this engine")
+        context = self.model.config.max_position_embeddings
+        if len(prefill.prompt_ids) + params.max_tokens > context:
+            raise RequestTooLarge(
+                f"request {prefill.request_id}: prompt ({len(prefill.prompt_ids)} tokens) + max_tokens "
+                f"({params.max_tokens}) exceeds the model's context of {context} tokens"
+            )
         plan = self.row_plan(len(prefill.prompt_ids), params.max_tokens, mode, budget_tokens)
         if plan.total > self.pool.num_rows:
             raise RequestTooLarge(

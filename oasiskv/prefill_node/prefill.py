@@ -80,6 +80,11 @@ class Prefiller:
         model, layout = self.model, self.layout
         config = model.config
         num_tokens = len(prompt_ids)
+        if any(not 0 <= t < config.vocab_size for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {config.vocab_size}) for this model")
+        if num_tokens >= config.max_position_embeddings:
+            raise ValueError(f"the prompt ({num_tokens} tokens) leaves no room in the model's context of "
+                             f"{config.max_position_embeddings} tokens")
         num_blocks = layout.num_blocks(num_tokens)
         device = next(model.parameters()).device
         spec = KVCacheSpec(config.num_layers, config.num_kv_heads, config.head_dim, layout.block_size, layout.dtype)

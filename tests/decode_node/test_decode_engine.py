@@ -10,7 +10,7 @@ from oasiskv.decode_node.config import DecodeConfig
 from oasiskv.decode_node.draft_model import DraftModelDrafter
 from oasiskv.decode_node.engine import DecodeEngine
 from oasiskv.decode_node.speculative import DrafterMismatch
-from oasiskv.kvstore import KVStore, StoreFull, connect, ranking_radius_weight
+from oasiskv.kvstore import KVStore, StoreFull, UnknownRequest, connect, ranking_radius_weight
 from oasiskv.models.engine.scheduler import RequestTooLarge
 from oasiskv.models.sampling import SamplingParams
 from oasiskv.prefill_node.prefill import Prefiller
@@ -228,6 +228,44 @@ def test_drafter_with_another_vocabulary_is_refused(smollm2_llm):
     model = smollm2_llm.model
     with pytest.raises(DrafterMismatch, match="vocabulary"):
         DraftModelDrafter(model, model.config.vocab_size + 1000)
+
+
+def test_a_request_id_already_in_the_engine_is_refused(smollm2_llm, store):
+    """Two requests under one id would share one store request: the first to finish frees it and
+    the other fails in the middle of a step."""
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, DecodeConfig(kv_pool_gb=0.1, budget_tokens=64))
+    try:
+        prefill = Prefiller(smollm2_llm.model, client).prefill("twice", smollm2_llm.encode("def add(a, b):" * 20))
+        engine.add(prefill, SamplingParams(max_tokens=4))
+        with pytest.raises(ValueError, match="'twice' is already in this engine"):
+            engine.add(prefill, SamplingParams(max_tokens=4))
+        assert len(engine.run_to_completion()["twice"].token_ids) == 4
+    finally:
+        engine.close()
+
+
+def test_a_request_past_the_models_context_is_refused_by_name(smollm2_llm, store):
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, DecodeConfig(kv_pool_gb=0.1))
+    prefiller = Prefiller(smollm2_llm.model, client)
+    context = smollm2_llm.model.config.max_position_embeddings
+    try:
+        prefill = prefiller.prefill("long-output", smollm2_llm.encode("x = 1\n" * 10))
+        try:  # named as the context, before the pool is asked
+            with pytest.raises(RequestTooLarge, match=f"exceeds the model's context of {context} tokens"):
+                engine.add(prefill, SamplingParams(max_tokens=context))
+        finally:
+            client.free("long-output")
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, "):
+        prefiller.prefill("bad-token", [1, smollm2_llm.model.config.vocab_size])
+    with pytest.raises(ValueError, match="no room in the model's context"):
+        prefiller.prefill("too-long", [1] * context)
+    for refused in ("bad-token", "too-long"):  # refused before the store was asked for anything
+        with pytest.raises(UnknownRequest):
+            client.free(refused)
 
 
 def test_prompt_larger_than_the_store_is_refused_cleanly(smollm2_llm):
