@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -58,6 +60,33 @@ def test_greedy_accepts_the_matching_prefix_and_corrects():
 def test_verify_refuses_mismatched_rows():
     with pytest.raises(ValueError, match="target rows"):
         verify(torch.zeros(2, 5), Draft([1, 2]), SamplingParams())
+
+
+def _scan(history: list[int], k: int, max_ngram: int = 4) -> list[int]:
+    """The lookup by its definition: longest n first, then the latest earlier match that has a
+    token after it."""
+    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == history[len(history) - n :]:
+                return history[start + n : start + n + k]
+    return []
+
+
+def test_ngram_lookup_equals_the_scan_as_requests_grow_restart_and_interleave():
+    rng = random.Random(7)
+    drafter = NgramDrafter()
+    texts = {rid: [rng.randrange(5) for _ in range(3000)] for rid in ("a", "b")}
+    for step in range(400):
+        rid = rng.choice("ab")
+        length = min(3000, 1 + step * 7 + rng.randrange(5))
+        if rng.random() < 0.05:  # the same id with a history that does not continue the last one
+            texts[rid] = [rng.randrange(5) for _ in range(3000)]
+        history = texts[rid][:length]
+        k = rng.randrange(0, 5)
+        assert drafter.propose([rid], [history], k)[0].tokens == _scan(history, k)
+    drafter.release("a")
+    drafter.release("never-seen")  # harmless
+    assert set(drafter._histories) == {"b"}
 
 
 def test_ngram_lookup_proposes_the_continuation_of_the_latest_match():
