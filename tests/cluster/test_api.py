@@ -53,6 +53,19 @@ def test_completion_matches_the_engine(client, smollm2_llm):
     assert out.usage.completion_tokens == 24 and out.choices[0].finish_reason == "length"
 
 
+def test_text_in_several_byte_tokens_arrives_whole_streamed_or_not(client, smollm2_llm):
+    """A character whose bytes a step left half-decoded (U+FFFD) once stopped every later piece of
+    text: 40 tokens came back as one character, streamed or not."""
+    prompt = "中文：你好，世界！今天天气很好，我们去"
+    expected = _expected(smollm2_llm, smollm2_llm.encode(prompt), 40)
+    assert len(expected) > 10  # the model writes on in Chinese
+    whole = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    pieces = [chunk.choices[0].text for chunk in client.completions.create(
+        model=DEFAULT_MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True)]
+    assert whole.choices[0].text == "".join(pieces) == expected
+    assert all("\ufffd" not in piece for piece in pieces[:-1])
+
+
 def test_stop_token_ids_end_the_output_at_that_token(client, smollm2_llm):
     prompt = "def fibonacci(n):"
     ids = smollm2_llm.encode(prompt)

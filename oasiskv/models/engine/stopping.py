@@ -16,7 +16,12 @@ def finish_reason(token: int, num_output: int, params: SamplingParams, eos_token
 
 def visible_text(tokenizer, output_ids: list[int], params: SamplingParams, reason: str | None, eos_token_ids):
     """Detokenized output without a final EOS, cut before the first stop string.
-    Returns (text, reason) where reason becomes "stop" when a stop string was found."""
+    Returns (text, reason) where reason becomes "stop" when a stop string was found.
+
+    While the request runs (reason None) the text is only what later tokens cannot change, so
+    every text a request shows extends the one before and streams can send the difference: a
+    character whose UTF-8 bytes have not all arrived (decoded as U+FFFD) and an ending that may
+    still grow into a stop string are held back until the next tokens settle them."""
     ids = output_ids
     if reason == "stop" and ids and ids[-1] in eos_token_ids and ids[-1] not in params.stop_token_ids:
         ids = ids[:-1]
@@ -25,4 +30,23 @@ def visible_text(tokenizer, output_ids: list[int], params: SamplingParams, reaso
         cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
         if cut >= 0:
             return text[:cut], "stop"
+    if reason is None:
+        text = _settled(text, params.stop)
     return text, reason
+
+
+def _settled(text: str, stops: list[str]) -> str:
+    text = text.rstrip("\ufffd")
+    held = max((_stop_prefix_at_end(text, stop) for stop in stops), default=0)
+    return text[: len(text) - held]
+
+
+def _stop_prefix_at_end(text: str, stop: str) -> int:
+    """Length of the longest proper prefix of `stop` that `text` ends with (0: none)."""
+    tail = text[max(0, len(text) - len(stop) + 1) :] if len(stop) > 1 else ""
+    start = tail.find(stop[0]) if tail else -1
+    while start >= 0:  # only where the stop's first character occurs can a prefix of it begin
+        if stop.startswith(tail[start:]):
+            return len(tail) - start
+        start = tail.find(stop[0], start + 1)
+    return 0

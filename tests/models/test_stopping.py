@@ -1,0 +1,57 @@
+"""The text a running request shows only ever grows, so a stream can send the difference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from oasiskv.models.engine.stopping import _stop_prefix_at_end, visible_text
+from oasiskv.models.sampling import SamplingParams
+
+EOS = {0}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_llm):
+    return smollm2_llm.tokenizer
+
+
+def _texts_while_running(tokenizer, ids, params):
+    return [visible_text(tokenizer, ids[:n], params, None, EOS)[0] for n in range(1, len(ids) + 1)]
+
+
+def test_a_character_split_across_tokens_is_held_back_until_it_is_whole(tokenizer):
+    text = "进行的天气很好😀 done"
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text) - 5  # byte-level tokens: several characters take more than one
+    shown = _texts_while_running(tokenizer, ids, SamplingParams())
+    split = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith("\ufffd"))  # the case exists
+    for before, after in zip(shown, shown[1:]):
+        assert after.startswith(before) and "\ufffd" not in after
+    assert shown[-1] == text
+    # Finished, the text is everything decoded, a cut character too (as vLLM shows it).
+    cut, reason = visible_text(tokenizer, ids[:split], SamplingParams(), "length", EOS)
+    assert reason == "length" and cut == tokenizer.decode(ids[:split]) and cut.endswith("\ufffd")
+
+
+def test_an_ending_that_may_grow_into_a_stop_string_is_held_back(tokenizer):
+    params = SamplingParams(stop=["\n\nEND"])
+    ids = tokenizer.encode("alpha beta\n\nEND gamma")
+    shown = _texts_while_running(tokenizer, ids, params)
+    finished_at = next(n for n in range(1, len(ids) + 1)
+                       if visible_text(tokenizer, ids[:n], params, None, EOS)[1] == "stop")
+    for before, after in zip(shown[: finished_at - 1], shown[1:finished_at]):
+        assert after.startswith(before)
+    final, reason = visible_text(tokenizer, ids[:finished_at], params, None, EOS)
+    assert (final, reason) == ("alpha beta", "stop")
+    assert all(final.startswith(s) for s in shown[: finished_at - 1])  # nothing shown was taken back
+
+
+def test_the_longest_stop_prefix_at_the_end_by_its_definition():
+    rng = random.Random(3)
+    for _ in range(5000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 9)))
+        stop = "".join(rng.choice("ab") for _ in range(rng.randrange(1, 7)))
+        expected = max((n for n in range(1, len(stop)) if n <= len(text) and text.endswith(stop[:n])), default=0)
+        assert _stop_prefix_at_end(text, stop) == expected, (text, stop)
