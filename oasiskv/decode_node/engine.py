@@ -20,7 +20,7 @@ from ..kvstore import DEFAULT_SUMMARY_KIND, ranking_radius_weight, summarize_key
 from ..kvstore.summary import summary_read_dtype
 from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
-from ..models.engine.stopping import finish_reason, visible_text
+from ..models.engine.stopping import OutputText, finish_reason, visible_text
 from ..models.sampling import SamplingParams, make_generator
 from ..models.transformer import DecoderModel
 from .attention import SparseAttention, StepRequest
@@ -61,6 +61,7 @@ class DecodeRequest:
     # first step choose its blocks from its own query, as sparse-current does.
     first_step_mode: str | None = None
     plan: RowPlan | None = None
+    output_text: OutputText | None = None  # decodes only the tokens each step adds
     arrived: float = field(default_factory=time.perf_counter)
 
     @property
@@ -142,7 +143,8 @@ class DecodeEngine:
         self.waiting.append(req)
         # The first token may already end the request.
         reason = finish_reason(prefill.first_token, 1, params, self.eos_token_ids, False)
-        req.text, req.finish_reason = visible_text(self.tokenizer, req.output_ids, params, reason, self.eos_token_ids)
+        req.output_text = OutputText(self.tokenizer)
+        req.text, req.finish_reason = visible_text(req.output_text, req.output_ids, params, reason, self.eos_token_ids)
         return req.request_id
 
     def _admit_waiting(self) -> list[DecodeOutput]:
@@ -319,7 +321,7 @@ class DecodeEngine:
             if reason:
                 break
         self.counters.generated_tokens += len(new)
-        req.text, reason = visible_text(self.tokenizer, req.output_ids, req.params, reason, self.eos_token_ids)
+        req.text, reason = visible_text(req.output_text, req.output_ids, req.params, reason, self.eos_token_ids)
         if reason:
             self._finish(req, reason)
         return DecodeOutput(req.request_id, new, list(req.output_ids), req.text, reason is not None, reason)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from oasiskv.models.engine.stopping import _stop_prefix_at_end, visible_text
+from oasiskv.models.engine.stopping import OutputText, _stop_prefix_at_end, visible_text
 from oasiskv.models.sampling import SamplingParams
 
 EOS = {0}
@@ -55,3 +55,19 @@ def test_the_longest_stop_prefix_at_the_end_by_its_definition():
         stop = "".join(rng.choice("ab") for _ in range(rng.randrange(1, 7)))
         expected = max((n for n in range(1, len(stop)) if n <= len(text) and text.endswith(stop[:n])), default=0)
         assert _stop_prefix_at_end(text, stop) == expected, (text, stop)
+
+
+def test_the_incremental_decode_equals_the_whole_decode(tokenizer):
+    """Steps add one to four tokens; ids from the text (multi-byte characters, spaces, newlines)
+    and random ids (special tokens, stray UTF-8 bytes)."""
+    rng = random.Random(11)
+    text_ids = tokenizer.encode("def f(x):\n    return x  # 进行的天气 😀 émigré — 日本語\n\n\tend ")
+    for trial in range(20):
+        ids = text_ids if trial % 2 == 0 else [rng.randrange(tokenizer.vocab_size) for _ in range(300)]
+        output, n = OutputText(tokenizer), 0
+        while n < len(ids):
+            n = min(len(ids), n + rng.randrange(1, 5))
+            assert output.decode(ids[:n]) == tokenizer.decode(ids[:n])
+    restarted = OutputText(tokenizer)
+    restarted.decode(text_ids)
+    assert restarted.decode(text_ids[:3]) == tokenizer.decode(text_ids[:3])  # shorter ids start it over

@@ -17,7 +17,7 @@ from ..kv_cache import KVCacheSpec, PagedKVCache
 from ..sampling import SamplingParams, make_generator, sample
 from .scheduler import RequestTooLarge, ScheduledBatch, Scheduler
 from .sequence import Sequence
-from .stopping import finish_reason, visible_text
+from .stopping import OutputText, finish_reason, visible_text
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -181,7 +181,9 @@ class LLM:
         seq.output_ids.append(token)
         reason = finish_reason(token, len(seq.output_ids), seq.params, self.eos_token_ids,
                                seq.num_tokens >= self.max_model_len)
-        seq.text, reason = visible_text(self.tokenizer, seq.output_ids, seq.params, reason, self.eos_token_ids)
+        if seq.output_text is None:
+            seq.output_text = OutputText(self.tokenizer)
+        seq.text, reason = visible_text(seq.output_text, seq.output_ids, seq.params, reason, self.eos_token_ids)
         if reason:
             self.scheduler.finish(seq, reason)
         return RequestOutput(

@@ -30,6 +30,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     text: str = ""  # detokenized output, cut at a stop string
+    output_text: object | None = None  # its incremental decoder (stopping.OutputText), made by the engine
     generator: torch.Generator | None = None
     seq_id: int = field(default_factory=lambda: next(_ids))
 

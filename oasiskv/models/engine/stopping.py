@@ -14,8 +14,44 @@ def finish_reason(token: int, num_output: int, params: SamplingParams, eos_token
     return None
 
 
+class OutputText:
+    """One request's output decoded incrementally: a call decodes only the tokens after the last
+    settled character boundary, with the tokens before it since the previous boundary as context
+    (decoders treat a sequence's first token specially), so its cost does not grow with the
+    output. A whole decode of 16,000 output tokens took 3.5 ms, for every request at every step.
+
+    `decode(ids)` equals the tokenizer's whole decode of `ids`, provided each call's ids extend
+    the previous call's (as a request's output does); ids that do not start it over."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._restart()
+
+    def _restart(self) -> None:
+        self.settled = ""  # the text of ids[:self.read], ending on a whole character
+        self.context = 0  # where the next decode starts: the boundary before self.read
+        self.read = 0
+
+    def decode(self, ids: list[int]) -> str:
+        if len(ids) < self.read:
+            self._restart()
+        decode = self.tokenizer.decode
+        before = decode(ids[self.context : self.read]) if self.read > self.context else ""
+        now = decode(ids[self.context :])
+        if not now.startswith(before):  # a decoder that rewrote its context: decode it all once
+            self._restart()
+            before, now = "", decode(ids)
+        new = now[len(before) :]
+        if new and not new.endswith("\ufffd"):
+            self.settled += new
+            self.context, self.read = self.read, len(ids)
+            return self.settled
+        return self.settled + new
+
+
 def visible_text(tokenizer, output_ids: list[int], params: SamplingParams, reason: str | None, eos_token_ids):
-    """Detokenized output without a final EOS, cut before the first stop string.
+    """Detokenized output without a final EOS, cut before the first stop string. `tokenizer`:
+    anything with decode(ids), a request's `OutputText` to decode only what is new.
     Returns (text, reason) where reason becomes "stop" when a stop string was found.
 
     While the request runs (reason None) the text is only what later tokens cannot change, so
