@@ -112,7 +112,6 @@ class ClusterService:
         decode_started = prefilled = False
         prefill_ref = None
         worker_failed = False
-        sent_text = ""
         token_count = 0
         last_token_time = None
         first_token_time = None
@@ -132,7 +131,7 @@ class ClusterService:
                 async for ref in stream:
                     out = await ref
                     now = time.perf_counter()
-                    new_tokens = len(out["token_ids"]) - token_count
+                    new_tokens = out["num_tokens"] - token_count
                     if new_tokens > 0:
                         if first_token_time is None:
                             first_token_time = now
@@ -141,13 +140,11 @@ class ClusterService:
                             for _ in range(new_tokens):  # tokens of one speculative step share the gap
                                 m.itl.observe((now - last_token_time) / new_tokens)
                         last_token_time = now
-                        token_count = len(out["token_ids"])
-                    text = out["text"]
-                    delta = text[len(sent_text):] if text.startswith(sent_text) else ""
+                        token_count = out["num_tokens"]
+                    delta = out["text_delta"]  # the worker sends only what follows the text already sent
                     if out["finished"]:  # before the yield: the consumer may close us after it
                         status = "abort" if out["finish_reason"] == "abort" else "success"
                     if delta or out["finished"]:
-                        sent_text += delta
                         yield Event(delta, token_count, out["finished"], out["finish_reason"])
                     if out["finished"]:
                         break

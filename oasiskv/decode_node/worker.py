@@ -12,8 +12,6 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import asdict
-
 import torch
 
 from ..models.device import require_device
@@ -45,6 +43,7 @@ class DecodeWorker:
         self.engine = DecodeEngine(self.model, self.tokenizer, self.stores, self.config, drafter=drafter)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._text_sent: dict[str, int] = {}  # per running request, characters its stream has had (loop thread)
         self._error: str | None = None
         self._closed = False  # shutdown() was called
         self._stopped = False  # the loop has closed the engine and ended
@@ -122,8 +121,22 @@ class DecodeWorker:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
 
     def _abort_output(self, request_id: str) -> dict:
-        return {"request_id": request_id, "new_token_ids": [], "token_ids": [], "text": "",
+        self._text_sent.pop(request_id, None)
+        return {"request_id": request_id, "new_token_ids": [], "num_tokens": 0, "text_delta": "",
                 "finished": True, "finish_reason": "abort"}
+
+    def _stream_item(self, out) -> dict:
+        """What one step sends a stream: the new tokens and the new text, not the whole output again
+        (whole outputs made a long request's stream carry quadratically many bytes). A running
+        request's text only grows (models.engine.stopping.visible_text), so the new text is what
+        follows the characters already sent."""
+        sent = self._text_sent.get(out.request_id, 0)
+        if out.finished:
+            self._text_sent.pop(out.request_id, None)
+        else:
+            self._text_sent[out.request_id] = len(out.text)
+        return {"request_id": out.request_id, "new_token_ids": out.new_token_ids, "num_tokens": len(out.token_ids),
+                "text_delta": out.text[sent:], "finished": out.finished, "finish_reason": out.finish_reason}
 
     def _close(self) -> None:
         """On the loop thread (the engine is single-threaded): close everything, end every stream."""
@@ -174,9 +187,10 @@ class DecodeWorker:
                     break
                 if self.engine.has_unfinished:
                     for out in self.engine.step():
-                        self._deliver(out.request_id, asdict(out))
+                        self._deliver(out.request_id, self._stream_item(out))
             except Exception as error:  # the engine is broken: fail every stream, stay inspectable
                 self._error = f"{type(error).__name__}: {error}"
+                self._text_sent.clear()
                 for request_id in list(self._streams):
                     self._deliver(request_id, RuntimeError(self._error))
                 if self._stopped:
