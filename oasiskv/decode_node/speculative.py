@@ -38,8 +38,9 @@ class Drafter(Protocol):
 
 class _TokenArray:
     """One request's history as a growing int64 array, kept between steps so that a lookup scans
-    it in numpy instead of comparing Python slices (at 32K tokens that took 4-10 ms per request
-    and step, most of a GPU step), and appends only the tokens a step accepted."""
+    it in numpy instead of comparing Python slices (at 32K tokens of history those took 4 to 27 ms
+    per request and step, bench/step_host_work.py; a GPU's whole step is tens of milliseconds),
+    and appends only the tokens a step accepted."""
 
     def __init__(self):
         self.tokens: list[int] = []

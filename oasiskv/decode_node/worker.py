@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+
 import torch
 
 from ..models.device import require_device
