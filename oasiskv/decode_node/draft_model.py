@@ -98,11 +98,15 @@ class DraftModelDrafter:
             return [Draft([]) for _ in histories]
         states = [self._state(r, p) for r, p in zip(request_ids, params)]
         for state, history in zip(states, histories):
-            common = 0
-            for a, b in zip(state.fed, history):
-                if a != b:
-                    break
-                common += 1
+            fed = len(state.fed)
+            if fed <= len(history) and history[:fed] == state.fed:  # the usual step: the history went on
+                common = fed
+            else:
+                common = 0
+                for a, b in zip(state.fed, history):
+                    if a != b:
+                        break
+                    common += 1
             # Always leave the last token unfed: its row produces the first draft's logits.
             del state.fed[min(common, len(history) - 1) :]
         # Catch up: each request's first max_chunk tokens this call, and the shared budget

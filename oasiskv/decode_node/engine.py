@@ -63,10 +63,17 @@ class DecodeRequest:
     plan: RowPlan | None = None
     output_text: OutputText | None = None  # decodes only the tokens each step adds
     arrived: float = field(default_factory=time.perf_counter)
+    _history: list[int] = field(default_factory=list, repr=False)
 
     @property
     def history(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt and output as one list, extended as the output grows rather than built again
+        each step (a copy of 32K tokens per request and step); the same list every time, so a
+        drafter can tell it continues what it has already seen. Read-only to callers."""
+        if not self._history:
+            self._history.extend(self.prompt_ids)
+        self._history.extend(self.output_ids[len(self._history) - len(self.prompt_ids) :])
+        return self._history
 
 
 @dataclass

@@ -89,6 +89,15 @@ def test_ngram_lookup_equals_the_scan_as_requests_grow_restart_and_interleave():
     assert set(drafter._histories) == {"b"}
 
 
+def test_ngram_lookup_follows_one_list_as_the_engine_extends_it():
+    """The decode engine hands over the same history list every step, extended in place."""
+    rng = random.Random(5)
+    drafter, history = NgramDrafter(), [rng.randrange(4)]
+    for _ in range(300):
+        history.extend(rng.randrange(4) for _ in range(rng.randrange(1, 4)))
+        assert drafter.propose(["x"], [history], 3)[0].tokens == _scan(history, 3)
+
+
 def test_ngram_lookup_proposes_the_continuation_of_the_latest_match():
     drafter = NgramDrafter(max_ngram=3)
     history = [5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3, 5, 6, 7]

@@ -18,7 +18,7 @@ class OutputText:
     """One request's output decoded incrementally: a call decodes only the tokens after the last
     settled character boundary, with the tokens before it since the previous boundary as context
     (decoders treat a sequence's first token specially), so its cost does not grow with the
-    output. A whole decode of 16,000 output tokens took 2 to 8 ms, for every request at every
+    output. A whole decode of 16,000 output tokens took 2 to 5 ms, for every request at every
     step (bench/step_host_work.py).
 
     `decode(ids)` equals the tokenizer's whole decode of `ids`, provided each call's ids extend
