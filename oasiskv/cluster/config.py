@@ -41,6 +41,11 @@ class ServeConfig(BaseModel):
     api_key: str | None = Field(default_factory=lambda: os.environ.get("OASISKV_API_KEY") or None)
     max_queued_requests: int = Field(64, ge=0, description="requests waiting for a decode pool before 429")
     request_timeout_s: float = Field(600.0, gt=0)
+    health_timeout_s: float = Field(5.0, gt=0, description="how long a worker has to answer a health poll")
+    missed_polls_unhealthy: int = Field(
+        3, ge=1, description="health polls in a row a worker may leave unanswered before requests stop going to it "
+        "(a worker whose actor died is taken out at once)",
+    )
     prefill_chunk_tokens: int = Field(1024, ge=16)
     summary_kind: Literal[SUMMARY_KINDS] = Field(
         DEFAULT_SUMMARY_KIND, description=f"how the stores summarize each block's keys for the sparse modes, one of "

@@ -10,6 +10,10 @@ from .router import WorkerSlot
 
 log = logging.getLogger("oasiskv.cluster")
 
+# Health polls run on a thread of their own in each worker: behind a busy worker's queued
+# prefills (or a blocked event loop) they would time out, and a busy worker would read as dead.
+HEALTH_GROUP = "health"
+
 ROLE_RESOURCES = {"prefill": "oasiskv_prefill", "decode": "oasiskv_decode", "store": "oasiskv_store"}
 
 
@@ -114,12 +118,12 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
     if config.prefill_engine == "vllm":
         from ..prefill_node.vllm_worker import VLLMPrefillWorker
 
-        prefill_cls = ray.remote(VLLMPrefillWorker)
+        prefill_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(VLLMPrefillWorker)
         prefill_extra = (config.vllm_kv_cache_gb, config.vllm_max_model_len)
     else:
-        prefill_cls = ray.remote(PrefillWorker)
+        prefill_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(PrefillWorker)
         prefill_extra = ()
-    decode_cls = ray.remote(DecodeWorker)
+    decode_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(DecodeWorker)
     prefill = [
         WorkerSlot(f"prefill-{i}", prefill_cls.options(**_options(config, "prefill", max_concurrency=8, max_restarts=-1)).remote(
             config.model, config.dtype, config.decode.block_size, config.prefill_chunk_tokens, threads, config.transport,

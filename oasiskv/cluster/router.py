@@ -32,6 +32,7 @@ class WorkerSlot:
     active: int = 0
     healthy: bool = True
     address: str = ""
+    missed_polls: int = 0  # health polls in a row that got no answer in time
 
 
 @dataclass

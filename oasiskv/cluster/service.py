@@ -15,7 +15,7 @@ from typing import AsyncIterator
 from ..decode_node.working_set import plan_rows
 from ..models.sampling import SamplingParams
 from .config import ServeConfig
-from .launcher import ClusterHandles
+from .launcher import HEALTH_GROUP, ClusterHandles
 from .metrics import ServingMetrics
 from .router import Router
 
@@ -64,33 +64,44 @@ class ClusterService:
     async def poll_once(self) -> None:
         m = self.metrics
         for slot in self.handles.decode:
-            try:
-                stats = await asyncio.wait_for(_await(slot.handle.stats.remote()), timeout=5)
-                slot.healthy = bool(stats["healthy"])
+            stats = await self._poll(slot, slot.handle.stats)
+            if stats is not None:
+                slot.healthy = bool(stats["healthy"])  # the worker's own word: its engine is broken
                 m.worker_stats[slot.name] = stats
                 now, total = time.monotonic(), float(stats.get("bytes_fetched") or 0)
                 if slot.name in self._last_bytes:
                     then, before = self._last_bytes[slot.name]
                     m.nixl_rate[slot.name] = (total - before) / max(1e-6, now - then)
                 self._last_bytes[slot.name] = (now, total)
-            except Exception:
-                slot.healthy = False
             m.health[("decode", slot.name)] = slot.healthy
         for slot in self.handles.stores:
-            try:
-                m.store_stats[slot.name] = await asyncio.wait_for(_await(slot.handle.stats.remote()), timeout=5)
-                slot.healthy = True
-            except Exception:
-                slot.healthy = False
+            stats = await self._poll(slot, slot.handle.stats, group=None)
+            if stats is not None:
+                m.store_stats[slot.name] = stats
             m.health[("store", slot.name)] = slot.healthy
         for slot in self.handles.prefill:
-            try:
-                await asyncio.wait_for(_await(slot.handle.ready.remote()), timeout=5)
-                slot.healthy = True
-            except Exception:
-                slot.healthy = False
+            await self._poll(slot, slot.handle.ready)
             m.health[("prefill", slot.name)] = slot.healthy
         m.queue_length.set(self.router.queued)
+
+    async def _poll(self, slot, method, group: str | None = HEALTH_GROUP):
+        """Call a worker's health method; its answer, or None. A worker that raised (its actor
+        died, say) is unhealthy at once; one that is only slow to answer, after
+        `missed_polls_unhealthy` polls in a row, so a busy moment does not take it out of routing."""
+        try:
+            call = method.options(concurrency_group=group) if group else method
+            answer = await asyncio.wait_for(_await(call.remote()), timeout=self.config.health_timeout_s)
+        except asyncio.TimeoutError:
+            slot.missed_polls += 1
+            if slot.missed_polls >= self.config.missed_polls_unhealthy:
+                slot.healthy = False
+            return None
+        except Exception:
+            slot.healthy = False
+            return None
+        slot.missed_polls = 0
+        slot.healthy = True
+        return answer
 
     # -- one request ---------------------------------------------------------------------
     def rows_needed(self, prompt_tokens: int, max_tokens: int, mode: str | None, budget: int | None) -> int:

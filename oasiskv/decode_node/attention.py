@@ -137,7 +137,9 @@ class SparseAttention:
         self.batch = AttentionBatch.from_key_lists([r.positions for r in requests], dummy, dummy, torch.empty(0))
         rows = [r.ws.kv_rows for r in requests]
         width = max(len(r) for r in rows)
-        self._rows = torch.stack([torch.cat((r, r.new_zeros(width - len(r)))) for r in rows])
+        # Padding repeats the request's own first (sink) row, whose KV is real: the padded keys
+        # are masked, but another request's row could hold summary bytes that read as NaN.
+        self._rows = torch.stack([torch.cat((r, r[:1].expand(width - len(r)))) for r in rows])
         self._write_units, self._write_offsets = self._write_targets(requests)
 
     def _retire(self, ws: WorkingSet, ring_index: int, block: int) -> None:

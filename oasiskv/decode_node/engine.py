@@ -187,6 +187,9 @@ class DecodeEngine:
             heads.append(all_heads)
             blocks.append(np.full(all_layers.size, block))
             row_index.append(np.full(all_layers.size, index))
+        # Rows not fetched whole below start as zeros, not as whatever their last owner left there.
+        filled = {ws.ring_index(block) for block in always}
+        self.pool.clear_rows(rows[[i for i in range(plan.kv_rows) if i not in filled]])
         if plan.budget and req.mode == "lookahead" and not req.initial_selection.numel():
             req.first_step_mode = "sparse-current"
         if plan.budget and req.initial_selection.numel():
@@ -360,15 +363,13 @@ class DecodeEngine:
                 self._finish(req, "abort")
                 return
 
-    def close(self) -> None:
+    def abort_all(self) -> list[str]:
         """Abort every waiting and running request (pool rows, drafter state and store memory are
-        given back), unregister the pool from the client and stop the I/O thread. Idempotent; the
-        engine cannot step afterwards. Every stage is attempted even if an earlier one fails (a
-        failed transfer, say); the first error is raised at the end."""
-        if getattr(self, "_closed", False):
-            return
-        self._closed = True
+        given back) and return their ids; the engine can step again afterwards. What a step that
+        raised midway leaves behind is undone here too. Every request is attempted even if an
+        earlier one fails (a failed transfer, say); the first error is raised at the end."""
         errors: list[BaseException] = []
+        aborted: list[str] = []
 
         def attempt(fn, *args) -> None:
             try:
@@ -379,10 +380,12 @@ class DecodeEngine:
         while self.waiting:
             req = self.waiting.popleft()
             req.finish_reason = req.finish_reason or "abort"
+            aborted.append(req.request_id)
             attempt(self.client.free, req.request_id)
         while self.running:
             req = self.running.pop()
             req.finish_reason = "abort"
+            aborted.append(req.request_id)
             attempt(self.drafter.release, req.request_id)
             if req.ws is not None:
                 # Transfers into the pool land before its rows are reused or it is unregistered.
@@ -392,8 +395,27 @@ class DecodeEngine:
                 self.pool.allocator.free(req.ws.rows.tolist())
                 req.ws = None
             attempt(self.client.free, req.request_id)
+        if errors:
+            raise RuntimeError(f"DecodeEngine.abort_all: {len(errors)} error(s), the first: {errors[0]!r}") from errors[0]
+        return aborted
+
+    def close(self) -> None:
+        """Abort every request (`abort_all`), unregister the pool from the client and stop the I/O
+        thread. Idempotent; the engine cannot step afterwards. Every stage is attempted even if an
+        earlier one fails; the first error is raised at the end."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        errors: list[BaseException] = []
+        try:
+            self.abort_all()
+        except Exception as error:
+            errors.append(error)
         if hasattr(self.client.client, "unregister"):  # a StoreDirectory registers with each store itself
-            attempt(self.client.unregister, self.pool.tensor)
+            try:
+                self.client.unregister(self.pool.tensor)
+            except Exception as error:
+                errors.append(error)
         self.client.close()  # runs what is queued, then stops the thread
         if errors:
             raise RuntimeError(f"DecodeEngine.close: {len(errors)} error(s), the first: {errors[0]!r}") from errors[0]

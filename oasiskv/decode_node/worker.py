@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class DecodeWorker:
+    # A step that fails once took its requests with it; failing again and again means the engine is broken.
+    MAX_CONSECUTIVE_FAILURES = 3
+
     def __init__(self, model: str, config: dict | None = None, dtype: str = "float32", threads: int | None = None,
                  transport: str = "auto"):
         if threads:
@@ -45,7 +48,9 @@ class DecodeWorker:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._text_sent: dict[str, int] = {}  # per running request, characters its stream has had (loop thread)
-        self._error: str | None = None
+        self._error: str | None = None  # set when the engine is broken for good
+        self._step_failures = 0  # steps that raised and ended their requests, since start
+        self._consecutive_failures = 0
         self._closed = False  # shutdown() was called
         self._stopped = False  # the loop has closed the engine and ended
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
@@ -70,6 +75,7 @@ class DecodeWorker:
             "waiting": len(self.engine.waiting),
             "healthy": self._error is None and self._thread.is_alive(),
             "error": self._error,
+            "step_failures": self._step_failures,
         }
 
     def abort(self, request_id: str) -> None:
@@ -189,11 +195,33 @@ class DecodeWorker:
                 if self.engine.has_unfinished:
                     for out in self.engine.step():
                         self._deliver(out.request_id, self._stream_item(out))
-            except Exception as error:  # the engine is broken: fail every stream, stay inspectable
-                self._error = f"{type(error).__name__}: {error}"
-                self._text_sent.clear()
-                for request_id in list(self._streams):
-                    self._deliver(request_id, RuntimeError(self._error))
-                if self._stopped:
-                    break
-                time.sleep(0.5)
+                    self._consecutive_failures = 0
+            except Exception as error:
+                self._recover(error)
+                if self._error is not None:
+                    time.sleep(0.5)
+
+    def _recover(self, error: Exception) -> None:
+        """A step raised: the requests in the engine then are in an unknown state, so they end with
+        the error and leave the engine, and the worker goes on with the next ones. Only when the
+        engine cannot give them back, or steps keep failing with nothing between, is the worker
+        broken: it then fails every stream and reports unhealthy, to stay inspectable."""
+        message = f"{type(error).__name__}: {error}"
+        self._step_failures += 1
+        self._consecutive_failures += 1
+        try:
+            aborted = self.engine.abort_all()
+        except Exception as abort_error:
+            log.exception("the decode loop failed (%s) and its requests could not be given back", message)
+            self._error = f"{message}; then, aborting its requests: {abort_error}"
+            aborted = list(self._streams)
+        else:
+            log.exception("a decode step failed; its %d request(s) end with the error", len(aborted))
+            if self._consecutive_failures >= self.MAX_CONSECUTIVE_FAILURES:
+                self._error = f"{self._consecutive_failures} decode steps in a row failed, the last: {message}"
+        for request_id in aborted:
+            self._text_sent.pop(request_id, None)
+            self._deliver(request_id, RuntimeError(f"decode step failed: {message}"))
+        if self._error is not None:
+            for request_id in list(self._streams):
+                self._deliver(request_id, RuntimeError(self._error))

@@ -68,6 +68,14 @@ class DevicePool:
         """Flat unit index of (row, layer, head): where a store read lands."""
         return (rows * self.layout.num_layers + layer) * self.layout.num_kv_heads + head
 
+    def clear_rows(self, rows: torch.Tensor) -> None:
+        """Zero whole rows. Attention reads every row a request owns and masks the keys it must
+        not see, but a masked value still enters the weighted sum times zero, and 0 x NaN is NaN:
+        a row that last held another request's summary pages (bytes that read as NaN in the KV
+        dtype) must not reach attention unwritten."""
+        if rows.numel():
+            self.tensor[rows.to(self.tensor.device)] = 0
+
     @property
     def rows_used(self) -> int:
         return self.num_rows - self.allocator.num_free

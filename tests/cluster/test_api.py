@@ -227,6 +227,31 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert 'oasiskv_store_capacity_bytes{store="store-0"}' in text
 
 
+def test_a_prefill_worker_busy_with_queued_prefills_still_answers_its_health_poll(server, smollm2_llm):
+    """The health poll runs in its own concurrency group: behind eight prefill threads and a
+    queue it used to time out, and the router refused every request (503) while the worker
+    worked."""
+    import ray
+
+    slot = server.service.handles.prefill[0]
+    store = server.service.handles.stores[0]
+    prompt = smollm2_llm.encode(stdlib_source("argparse.py"))[:256]  # 10 of them fit the store at once
+    ids = [f"busy-prefill-{i}" for i in range(10)]
+    refs = [slot.handle.prefill.remote(rid, prompt, {"max_tokens": 4}, store.address, 64, 1, 4) for rid in ids]
+    try:
+        time.sleep(0.5)  # the prefills have taken every thread of the default group
+        asyncio.run(server.service.poll_once())
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        # Queued behind them in the default group, the poll could not have run before three
+        # prefills (one at a time, each over a second on one thread) had finished.
+        assert len(done) < 3, f"{len(done)} prefills finished before the poll answered"
+        assert slot.healthy and slot.missed_polls == 0
+    finally:
+        ray.get(refs, timeout=300)
+        ray.get([slot.handle.free.remote(rid, store.address) for rid in ids], timeout=60)
+    assert _store_requests(server) == 0
+
+
 def _store_requests(server) -> int:
     import ray
 

@@ -1,0 +1,89 @@
+"""The service's health poll (ClusterService.poll_once) against stand-in actor handles: a worker
+that is only slow to answer stays in routing until it misses several polls in a row; one whose
+actor raised (died) leaves at once; any answer brings a worker back."""
+
+from __future__ import annotations
+
+import asyncio
+
+from oasiskv.cluster.config import ServeConfig
+from oasiskv.cluster.launcher import HEALTH_GROUP, ClusterHandles
+from oasiskv.cluster.router import WorkerSlot
+from oasiskv.cluster.service import ClusterService
+
+
+class StandInMethod:
+    """An actor method whose calls answer, hang, or raise, as the test sets `behaviour`."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.behaviour = "answer"
+        self.groups: list = []
+
+    def options(self, concurrency_group=None):
+        self.groups.append(concurrency_group)
+        return self
+
+    def remote(self):
+        async def call():
+            if self.behaviour == "hang":
+                await asyncio.sleep(3600)
+            if self.behaviour == "raise":
+                raise RuntimeError("The actor died unexpectedly before finishing this task.")
+            return self.answer
+        return call()
+
+
+class StandInActor:
+    def __init__(self, stats):
+        self.stats = StandInMethod(stats)
+        self.ready = StandInMethod(True)
+
+
+def make_service(missed_polls_unhealthy=3):
+    decode = WorkerSlot("decode-0", StandInActor({"healthy": True, "bytes_fetched": 0}))
+    prefill = WorkerSlot("prefill-0", StandInActor(None))
+    store = WorkerSlot("store-0", StandInActor({"num_requests": 0}))
+    config = ServeConfig(health_timeout_s=0.05, missed_polls_unhealthy=missed_polls_unhealthy)
+    service = ClusterService(config, ClusterHandles([prefill], [decode], [store]), tokenizer=None,
+                             kv_bytes_per_token=1, max_model_len=2048)
+    return service, prefill, decode, store
+
+
+def poll(service):
+    asyncio.run(service.poll_once())
+
+
+def test_a_slow_worker_stays_healthy_until_it_misses_several_polls_in_a_row():
+    service, prefill, decode, _ = make_service(missed_polls_unhealthy=3)
+    prefill.handle.ready.behaviour = decode.handle.stats.behaviour = "hang"
+    for _ in range(2):
+        poll(service)
+        assert prefill.healthy and decode.healthy
+    poll(service)
+    assert not prefill.healthy and not decode.healthy
+    assert service.metrics.health[("prefill", "prefill-0")] is False
+    prefill.handle.ready.behaviour = decode.handle.stats.behaviour = "answer"
+    poll(service)
+    assert prefill.healthy and decode.healthy and prefill.missed_polls == decode.missed_polls == 0
+
+
+def test_a_worker_whose_call_raises_is_unhealthy_at_once():
+    service, prefill, _, store = make_service(missed_polls_unhealthy=3)
+    prefill.handle.ready.behaviour = store.handle.stats.behaviour = "raise"
+    poll(service)
+    assert not prefill.healthy and not store.healthy
+
+
+def test_a_decode_worker_that_reports_itself_broken_is_unhealthy():
+    service, _, decode, _ = make_service()
+    decode.handle.stats.answer = {"healthy": False, "error": "3 decode steps in a row failed"}
+    poll(service)
+    assert not decode.healthy
+
+
+def test_worker_polls_use_the_health_group():
+    service, prefill, decode, store = make_service()
+    poll(service)
+    assert prefill.handle.ready.groups == [HEALTH_GROUP] and decode.handle.stats.groups == [HEALTH_GROUP]
+    assert store.handle.stats.groups == []  # the store actor has no such group

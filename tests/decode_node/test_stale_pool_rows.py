@@ -1,0 +1,51 @@
+"""A pool row keeps whatever its last owner wrote there: KV, or summary pages whose bytes can read
+as NaN in the KV dtype. Attention masks the keys a request must not see, but a masked value still
+enters the weighted sum times zero, and 0 x NaN is NaN: a serve under mixed load died of this
+(`torch.multinomial` on NaN probabilities). Admission therefore starts the rows it does not fetch
+as zeros, and a batch pads with each request's own rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from oasiskv.decode_node.config import DecodeConfig
+from oasiskv.decode_node.engine import DecodeEngine
+from oasiskv.kvstore import connect
+from oasiskv.prefill_node.prefill import Prefiller
+
+from .conftest import GREEDY, run_engine
+
+
+@pytest.mark.parametrize("mode", ["lookahead", "sparse-current", "dense"])
+def test_rows_full_of_nan_bytes_change_no_token(smollm2_llm, store, prompts, mode):
+    # Two prompts of different lengths: dense's batch pads the shorter one's rows.
+    config = DecodeConfig(mode=mode, budget_tokens=256)
+    clean_engine, expected = run_engine(smollm2_llm, store, prompts, config, tag="-clean")
+    clean_engine.close()
+
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config)
+    engine.pool.tensor.fill_(math.nan)  # the worst a previous owner can leave
+    prefiller = Prefiller(smollm2_llm.model, client)
+    for i, prompt in enumerate(prompts):
+        result = prefiller.prefill(f"{mode}-stale-{i}", prompt, GREEDY, budget_blocks=config.budget_blocks,
+                                   excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks)
+        engine.add(result, GREEDY)
+    outputs = engine.run_to_completion()
+    engine.close()
+    assert [outputs[f"{mode}-stale-{i}"].token_ids for i in range(len(prompts))] == expected
+
+
+def test_clear_rows_zeroes_only_those_rows(smollm2_llm):
+    from oasiskv.decode_node.working_set import DevicePool
+    from oasiskv.prefill_node.prefill import kv_layout_for
+
+    pool = DevicePool(kv_layout_for(smollm2_llm.model, 16), 4 * 2**20)
+    pool.tensor.fill_(math.nan)
+    pool.clear_rows(torch.tensor([0, 2]))
+    assert bool((pool.tensor[[0, 2]] == 0).all())
+    assert bool(pool.tensor[1].isnan().all())
+    pool.clear_rows(torch.tensor([], dtype=torch.long))  # nothing to clear is not an error

@@ -1,0 +1,105 @@
+"""A decode step that raises takes only the requests it held: their streams end with the error,
+their pool rows and store memory are given back, and the worker serves the next request. Steps
+that keep failing mean a broken engine: the worker then reports unhealthy and refuses work."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from oasiskv.decode_node.worker import DecodeWorker
+from oasiskv.kvstore import KVStore, connect
+from oasiskv.models.sampling import SamplingParams
+from oasiskv.prefill_node.prefill import Prefiller
+
+PARAMS = {"max_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture
+def worker():
+    worker = DecodeWorker("smollm2-135m", {"kv_pool_gb": 0.05, "budget_tokens": 64}, transport="inproc")
+    yield worker
+    worker.shutdown()
+
+
+def failing_steps(worker, count: int):
+    """Make the engine's next `count` steps raise (an injected fault, as a NaN in sampling was)."""
+    real_step = worker.engine.step
+    left = [count]
+
+    def step():
+        if left[0]:
+            left[0] -= 1
+            real_step()  # the step runs (and moves state) before it fails, as a real fault would
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real_step()
+
+    worker.engine.step = step
+
+
+async def collect(worker, result, store):
+    items = []
+    try:
+        async for item in worker.generate(result, PARAMS, store):
+            items.append(item)
+    except RuntimeError as error:
+        return items, error
+    return items, None
+
+
+def prefill(smollm2_llm, store, request_id, text):
+    return Prefiller(smollm2_llm.model, connect(store)).prefill(
+        request_id, smollm2_llm.encode(text), SamplingParams(**PARAMS))
+
+
+def test_a_failed_step_ends_its_requests_and_the_worker_goes_on(smollm2_llm, worker):
+    store = KVStore(64 * 2**20)
+    first = [prefill(smollm2_llm, store, f"failing-{i}", f"def function_{i}(x):\n    return") for i in range(2)]
+    failing_steps(worker, 1)
+
+    async def run_failing():
+        return await asyncio.gather(*(collect(worker, r, store) for r in first))
+
+    outcomes = asyncio.run(run_failing())
+    # The request(s) in the engine at the failing step end with its error; one that reached the
+    # engine only after it is served in full.
+    assert any(error is not None for _, error in outcomes)
+    for items, error in outcomes:
+        if error is not None:
+            assert "decode step failed" in str(error) and "nan" in str(error)
+            assert not any(item["finished"] for item in items)
+        else:
+            assert items[-1]["finished"] and items[-1]["num_tokens"] == PARAMS["max_tokens"]
+    stats = worker.stats()
+    assert stats["healthy"] and stats["step_failures"] == 1
+    assert stats["pool_rows_used"] == 0 and stats["running"] == stats["waiting"] == 0
+    assert store.stats().num_requests == 0  # the failed requests' KV was freed
+
+    later = prefill(smollm2_llm, store, "after", "class Point:\n    def __init__(self")
+    items, error = asyncio.run(collect(worker, later, store))
+    assert error is None and items[-1]["finished"] and items[-1]["num_tokens"] == PARAMS["max_tokens"]
+    assert worker.stats()["healthy"] and store.stats().num_requests == 0
+
+    from oasiskv.cluster.metrics import ServingMetrics
+    from prometheus_client import generate_latest
+
+    metrics = ServingMetrics()
+    metrics.worker_stats["decode-0"] = worker.stats()
+    assert 'oasiskv_decode_step_failures_total{worker="decode-0"} 1.0' in generate_latest(metrics.registry).decode()
+
+
+def test_steps_that_keep_failing_make_the_worker_unhealthy(smollm2_llm, worker):
+    store = KVStore(64 * 2**20)
+    failing_steps(worker, DecodeWorker.MAX_CONSECUTIVE_FAILURES)
+    for i in range(DecodeWorker.MAX_CONSECUTIVE_FAILURES):
+        result = prefill(smollm2_llm, store, f"broken-{i}", f"import os\nprint({i}")
+        _, error = asyncio.run(collect(worker, result, store))
+        assert error is not None
+    stats = worker.stats()
+    assert not stats["healthy"] and "in a row failed" in stats["error"]
+    result = prefill(smollm2_llm, store, "refused", "x = 1")
+    _, error = asyncio.run(collect(worker, result, store))
+    assert error is not None and "decode worker failed" in str(error)
+    store.free("refused")  # refused before the engine saw it: the caller still owns its KV
+    assert store.stats().num_requests == 0
