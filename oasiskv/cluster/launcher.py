@@ -70,6 +70,13 @@ def _options(config: ServeConfig, role: str, **extra) -> dict:
     return options
 
 
+def _actor_class(cls):
+    """A worker class as a Ray actor class with the health polls' own concurrency group."""
+    import ray
+
+    return ray.remote(concurrency_groups={HEALTH_GROUP: 1})(cls)
+
+
 def check_gpus(config: ServeConfig, cluster_gpus: float) -> None:
     """Refuse at once a cluster this process started that cannot hold the GPU workers. A joined
     cluster is only warned about: its GPU nodes may still be joining (KubeRay starts pods in
@@ -118,12 +125,12 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
     if config.prefill_engine == "vllm":
         from ..prefill_node.vllm_worker import VLLMPrefillWorker
 
-        prefill_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(VLLMPrefillWorker)
+        prefill_cls = _actor_class(VLLMPrefillWorker)
         prefill_extra = (config.vllm_kv_cache_gb, config.vllm_max_model_len)
     else:
-        prefill_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(PrefillWorker)
+        prefill_cls = _actor_class(PrefillWorker)
         prefill_extra = ()
-    decode_cls = ray.remote(concurrency_groups={HEALTH_GROUP: 1})(DecodeWorker)
+    decode_cls = _actor_class(DecodeWorker)
     prefill = [
         WorkerSlot(f"prefill-{i}", prefill_cls.options(**_options(config, "prefill", max_concurrency=8, max_restarts=-1)).remote(
             config.model, config.dtype, config.decode.block_size, config.prefill_chunk_tokens, threads, config.transport,

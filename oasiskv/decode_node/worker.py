@@ -214,7 +214,7 @@ class DecodeWorker:
         except Exception as abort_error:
             log.exception("the decode loop failed (%s) and its requests could not be given back", message)
             self._error = f"{message}; then, aborting its requests: {abort_error}"
-            aborted = list(self._streams)
+            aborted = []  # every stream gets the error below
         else:
             log.exception("a decode step failed; its %d request(s) end with the error", len(aborted))
             if self._consecutive_failures >= self.MAX_CONSECUTIVE_FAILURES:
@@ -223,5 +223,6 @@ class DecodeWorker:
             self._text_sent.pop(request_id, None)
             self._deliver(request_id, RuntimeError(f"decode step failed: {message}"))
         if self._error is not None:
+            self._text_sent.clear()
             for request_id in list(self._streams):
                 self._deliver(request_id, RuntimeError(self._error))

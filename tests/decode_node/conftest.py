@@ -26,12 +26,16 @@ def prompts(smollm2_llm):
     return [ids[:640], ids[3000:3530]]
 
 
-def run_engine(smollm2_llm, store, prompts, config, params=GREEDY, drafter=None, tag="", wrap_client=None):
+def run_engine(smollm2_llm, store, prompts, config, params=GREEDY, drafter=None, tag="", wrap_client=None,
+               prepare=None):
     """Prefill `prompts` into `store` and decode them to completion with one engine; the engine
-    reads through `wrap_client(client)` when given. Returns the engine and each prompt's tokens."""
+    reads through `wrap_client(client)` when given, and `prepare(engine)` runs before the first
+    request is added. Returns the engine and each prompt's tokens."""
     client = connect(store)
     engine_client = client if wrap_client is None else wrap_client(client)
     engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, engine_client, config, drafter=drafter)
+    if prepare is not None:
+        prepare(engine)
     prefiller = Prefiller(smollm2_llm.model, client)
     for i, prompt in enumerate(prompts):
         result = prefiller.prefill(

@@ -155,17 +155,12 @@ def test_grouped_selection_fetches_and_decodes_as_per_layer_selection(smollm2_ll
                 return read_many(reads)
             return wrapper
 
-        config = DecodeConfig(lookahead_layer_group=group, **small)
-        client = connect(store)
-        engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config)
-        engine.client.read_many = counting(engine.client.read_many)
-        prefiller = Prefiller(smollm2_llm.model, client)
-        for i, prompt in enumerate(prompts):
-            result = prefiller.prefill(f"group{group}-{i}", prompt, GREEDY, budget_blocks=config.budget_blocks,
-                                       excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks)
-            engine.add(result, GREEDY)
-        outputs = engine.run_to_completion()
-        runs[group] = (engine.counters, [outputs[f"group{group}-{i}"].token_ids for i in range(len(prompts))], jobs)
+        def count_jobs(engine):
+            engine.client.read_many = counting(engine.client.read_many)
+
+        engine, tokens = run_engine(smollm2_llm, store, prompts, DecodeConfig(lookahead_layer_group=group, **small),
+                                    tag=f"-group{group}", prepare=count_jobs)
+        runs[group] = (engine.counters, tokens, jobs)
     (per_layer, tokens_1, jobs_1), (grouped, tokens_4, jobs_4) = runs[1], runs[4]
     assert tokens_4 == tokens_1
     assert grouped.blocks_fetched == per_layer.blocks_fetched > 0

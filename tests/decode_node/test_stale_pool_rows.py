@@ -12,11 +12,8 @@ import pytest
 import torch
 
 from oasiskv.decode_node.config import DecodeConfig
-from oasiskv.decode_node.engine import DecodeEngine
-from oasiskv.kvstore import connect
-from oasiskv.prefill_node.prefill import Prefiller
 
-from .conftest import GREEDY, run_engine
+from .conftest import run_engine
 
 
 @pytest.mark.parametrize("mode", ["lookahead", "sparse-current", "dense"])
@@ -26,18 +23,12 @@ def test_rows_full_of_nan_bytes_change_no_token(smollm2_llm, store, prompts, mod
     clean_engine, expected = run_engine(smollm2_llm, store, prompts, config, tag="-clean")
     clean_engine.close()
 
-    client = connect(store)
-    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config)
-    engine.pool.tensor.fill_(math.nan)  # the worst a previous owner can leave
-    prefiller = Prefiller(smollm2_llm.model, client)
-    for i, prompt in enumerate(prompts):
-        result = prefiller.prefill(f"{mode}-stale-{i}", prompt, GREEDY, budget_blocks=config.budget_blocks,
-                                   excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks)
-        engine.add(result, GREEDY)
-    outputs = engine.run_to_completion()
-    engine.close()
-    assert [outputs[f"{mode}-stale-{i}"].token_ids for i in range(len(prompts))] == expected
+    def poison(engine):
+        engine.pool.tensor.fill_(math.nan)  # the worst a previous owner can leave
 
+    stale_engine, tokens = run_engine(smollm2_llm, store, prompts, config, tag="-stale", prepare=poison)
+    stale_engine.close()
+    assert tokens == expected
 
 def test_clear_rows_zeroes_only_those_rows(smollm2_llm):
     from oasiskv.decode_node.working_set import DevicePool
