@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -170,7 +170,12 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     request_id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
     events = service.generate(request_id, ids, params, body.oasiskv_mode, body.oasiskv_budget_tokens)
     try:
-        first = await events.__anext__()  # routing errors surface here, before any byte is sent
+        # Routing errors surface with the first event, before any byte is sent; a long prefill
+        # comes first too, so a client that hangs up during it must end the request here.
+        first = await _unless_disconnected(request, _first_event(events))
+    except ClientDisconnected:
+        await events.aclose()
+        return _hung_up()
     except StopAsyncIteration:
         first = None
     except Overloaded as exc:
@@ -186,25 +191,17 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     if body.stream:
         return StreamingResponse(_sse(request, request_id, kind, body, ids, first, events),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    text, reason, completion_tokens = "", None, 0
-    event = first
     try:
-        while event is not None:
-            if await request.is_disconnected():
-                break  # aclose() below aborts the request and frees its KV
-            text += event.delta
-            completion_tokens = event.num_tokens
-            reason = event.finish_reason or reason
-            event = await events.__anext__() if not event.finished else None
-    except StopAsyncIteration:
-        pass
+        text, reason, completion_tokens = await _unless_disconnected(request, _collect(first, events))
+    except ClientDisconnected:
+        return _hung_up()
     except TimeoutError as exc:
         raise ApiError(504, "the request timed out", "timeout") from exc
     except Exception as exc:  # a worker died mid-request: the request is lost, the server is not
         raise ApiError(503, f"the request failed in a worker ({type(exc).__name__}); retry it",
                        "service_unavailable", headers={"Retry-After": "5"}) from exc
     finally:
-        await events.aclose()
+        await events.aclose()  # after a hang-up this aborts the request and frees its KV
     usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
              "total_tokens": len(ids) + completion_tokens}
     if kind == "chat.completion":
@@ -212,6 +209,58 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     else:
         choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
     return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": [choice], "usage": usage}
+
+
+class ClientDisconnected(Exception):
+    """The client hung up before its response was ready."""
+
+
+def _hung_up() -> Response:
+    # Nobody reads it: the connection is gone. 499 is what proxies log for "client closed request".
+    return Response(status_code=499)
+
+
+async def _first_event(events):
+    return await events.__anext__()
+
+
+async def _collect(first, events) -> tuple[str, str | None, int]:
+    """A non-streamed response's text, finish reason and token count."""
+    text, reason, completion_tokens = "", None, 0
+    event = first
+    try:
+        while event is not None:
+            text += event.delta
+            completion_tokens = event.num_tokens
+            reason = event.finish_reason or reason
+            event = await events.__anext__() if not event.finished else None
+    except StopAsyncIteration:
+        pass
+    return text, reason, completion_tokens
+
+
+async def _wait_for_hang_up(request: Request) -> None:
+    # Awaits receive() rather than polling request.is_disconnected(): behind an
+    # @app.middleware("http") middleware that poll never sees the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work):
+    """`work`'s result, or ClientDisconnected once the client hangs up first (`work` is then
+    cancelled, which aborts the request wherever it is: prefill, decode queue or decode)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_hang_up(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
 
 
 async def _sse(request: Request, request_id: str, kind: str, body, ids, first, events) -> AsyncIterator[bytes]:

@@ -217,6 +217,38 @@ def test_client_disconnect_frees_the_request_everywhere(server):
     assert store_stats["num_requests"] == 0
 
 
+
+@pytest.mark.parametrize("hang_up_after_s", [0.05, 1.5], ids=["during-prefill", "during-decode"])
+def test_a_client_that_hangs_up_on_a_whole_response_aborts_it(server, smollm2_llm, hang_up_after_s):
+    """A non-streamed request once decoded to its end after its client had gone (and counted as a
+    success): behind the auth middleware, request.is_disconnected() never turned true."""
+    import ray
+
+    registry = server.service.metrics.registry
+
+    def count(status):
+        return registry.get_sample_value("oasiskv_requests_total", {"status": status}) or 0.0
+
+    before = count("success"), count("abort")
+    prompt = smollm2_llm.encode(stdlib_source("argparse.py"))[:1500]
+    body = {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                   timeout=hang_up_after_s)
+    decode = server.service.handles.decode[0].handle
+    store = server.service.handles.stores[0].handle
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and count("abort") == before[1]:
+        time.sleep(0.1)
+    assert (count("success"), count("abort")) == (before[0], before[1] + 1)
+    while time.monotonic() < deadline:
+        stats, store_stats = ray.get(decode.stats.remote()), ray.get(store.stats.remote())
+        if stats["running"] == 0 and stats["waiting"] == 0 and store_stats["num_requests"] == 0:
+            break
+        time.sleep(0.2)
+    assert stats["running"] == 0 and stats["pool_rows_used"] == 0
+    assert store_stats["num_requests"] == 0
+
 def test_metrics_count_requests_and_tokens(server, client):
     client.completions.create(model=DEFAULT_MODEL, prompt="hello", max_tokens=4, temperature=0)
     asyncio.run(server.service.poll_once())
