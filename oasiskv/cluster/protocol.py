@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..models.sampling import SEED_MAX, SEED_MIN
 
@@ -115,6 +115,14 @@ class ChatMessage(BaseModel):
                 texts.append(part.get("text", ""))
             value = "".join(texts)
         return _encodable(value)
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        # OpenAI allows null content only beside an assistant's tool_calls, which are not served;
+        # a chat template would otherwise fail on the missing key with a Jinja message.
+        if self.content is None:
+            raise ValueError(f"a {self.role!r} message needs content")
+        return self
 
 
 class ChatCompletionRequest(_SamplingFields):

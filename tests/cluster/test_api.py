@@ -155,6 +155,8 @@ def test_bad_requests_get_openai_errors(server, body, status, fragment):
         ({"response_format": {"type": "json_object"}}, 400, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}, 422, "lone surrogate"),
+        # Once a 400 that quoted the chat template's Jinja error.
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": None}]}, 422, "needs content"),
     ],
 )
 def test_chat_features_it_cannot_honour_are_refused(server, extra, status, fragment):
