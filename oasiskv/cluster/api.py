@@ -299,6 +299,8 @@ async def _sse(request: Request, request_id: str, kind: str, body, ids, first, e
         yield b"data: [DONE]\n\n"
     except (StopAsyncIteration, asyncio.CancelledError):
         pass
+    except TimeoutError:
+        yield f"data: {json.dumps(error_body('the request timed out', 'timeout', 504))}\n\n".encode()
     except Exception as exc:  # after the 200 header an error can only travel in the stream
         message = f"the request failed in a worker ({type(exc).__name__}); retry it"
         yield f"data: {json.dumps(error_body(message, 'service_unavailable', 503))}\n\n".encode()

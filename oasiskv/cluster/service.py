@@ -126,45 +126,52 @@ class ClusterService:
         token_count = 0
         last_token_time = None
         first_token_time = None
+        # A deadline checked at every await, not asyncio.timeout(): that binds to the task that
+        # enters it, and later events are pulled by other tasks (the response's, a hang-up watch).
+        deadline = _Deadline(self.config.request_timeout_s)
         try:
-            async with asyncio.timeout(self.config.request_timeout_s):
-                prefill_ref = assignment.prefill.handle.prefill.remote(
-                    request_id, prompt_ids, asdict(params), assignment.store.address,
-                    (budget_tokens or c.budget_tokens) // c.block_size, c.sink_blocks, c.window_blocks,
-                )
-                result = await prefill_ref
-                prefilled = True
-                self.router.prefill_done(assignment)
-                stream = assignment.decode.handle.generate.options(num_returns="streaming").remote(
-                    result, asdict(params), assignment.store.address, mode, budget_tokens
-                )
-                decode_started = True
-                async for ref in stream:
-                    out = await ref
-                    now = time.perf_counter()
-                    new_tokens = out["num_tokens"] - token_count
-                    if new_tokens > 0:
-                        if first_token_time is None:
-                            first_token_time = now
-                            m.ttft.observe(now - started)
-                        elif last_token_time is not None:
-                            for _ in range(new_tokens):  # tokens of one speculative step share the gap
-                                m.itl.observe((now - last_token_time) / new_tokens)
-                        last_token_time = now
-                        token_count = out["num_tokens"]
-                    delta = out["text_delta"]  # the worker sends only what follows the text already sent
-                    if out["finished"]:  # before the yield: the consumer may close us after it
-                        status = "abort" if out["finish_reason"] == "abort" else "success"
-                    if delta or out["finished"]:
-                        yield Event(delta, token_count, out["finished"], out["finish_reason"])
-                    if out["finished"]:
-                        break
+            prefill_ref = assignment.prefill.handle.prefill.remote(
+                request_id, prompt_ids, asdict(params), assignment.store.address,
+                (budget_tokens or c.budget_tokens) // c.block_size, c.sink_blocks, c.window_blocks,
+            )
+            result = await deadline.wait(_await(prefill_ref))
+            prefilled = True
+            self.router.prefill_done(assignment)
+            stream = assignment.decode.handle.generate.options(num_returns="streaming").remote(
+                result, asdict(params), assignment.store.address, mode, budget_tokens
+            )
+            decode_started = True
+            while True:
+                try:
+                    ref = await deadline.wait(_next(stream))
+                except StopAsyncIteration:
+                    break
+                out = await deadline.wait(_await(ref))
+                now = time.perf_counter()
+                new_tokens = out["num_tokens"] - token_count
+                if new_tokens > 0:
+                    if first_token_time is None:
+                        first_token_time = now
+                        m.ttft.observe(now - started)
+                    elif last_token_time is not None:
+                        for _ in range(new_tokens):  # tokens of one speculative step share the gap
+                            m.itl.observe((now - last_token_time) / new_tokens)
+                    last_token_time = now
+                    token_count = out["num_tokens"]
+                delta = out["text_delta"]  # the worker sends only what follows the text already sent
+                if out["finished"]:  # before the yield: the consumer may close us after it
+                    status = "abort" if out["finish_reason"] == "abort" else "success"
+                if delta or out["finished"]:
+                    yield Event(delta, token_count, out["finished"], out["finish_reason"])
+                if out["finished"]:
+                    break
         except (asyncio.CancelledError, GeneratorExit):
             if status != "success":  # closed after the final event is a normal end
                 status = "abort"
             raise
         except Exception:
-            worker_failed = True
+            # A worker that raised is not asked to abort; one that is only late still holds the request.
+            worker_failed = not deadline.expired
             raise
         finally:
             if status != "success":
@@ -200,3 +207,22 @@ class ClusterService:
 
 async def _await(ref):
     return await ref
+
+
+async def _next(stream):
+    return await stream.__anext__()
+
+
+class _Deadline:
+    """Awaits under one overall time limit; `expired` tells a timeout of ours from a worker's."""
+
+    def __init__(self, seconds: float):
+        self.at = time.monotonic() + seconds
+        self.expired = False
+
+    async def wait(self, awaitable):
+        try:
+            return await asyncio.wait_for(awaitable, max(0.0, self.at - time.monotonic()))
+        except TimeoutError:
+            self.expired = time.monotonic() >= self.at
+            raise

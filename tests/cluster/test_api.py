@@ -251,6 +251,48 @@ def test_a_client_that_hangs_up_on_a_whole_response_aborts_it(server, smollm2_ll
     assert stats["running"] == 0 and stats["pool_rows_used"] == 0
     assert store_stats["num_requests"] == 0
 
+
+def _wait_until_freed(server, deadline_s: float = 30.0):
+    import ray
+
+    decode = server.service.handles.decode[0].handle
+    store = server.service.handles.stores[0].handle
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        stats, store_stats = ray.get(decode.stats.remote()), ray.get(store.stats.remote())
+        if stats["running"] == 0 and stats["waiting"] == 0 and store_stats["num_requests"] == 0:
+            break
+        time.sleep(0.2)
+    return stats, store_stats
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_request_past_its_timeout_ends_and_is_freed_everywhere(server, client, monkeypatch, stream):
+    """The timeout was bound to the task that first iterated the request; once a later task
+    iterated it (a streamed response, a hang-up watcher) it never fired, and when it did fire
+    after decoding had begun only the store was freed while the decode worker went on."""
+    registry = server.service.metrics.registry
+    errors_before = registry.get_sample_value("oasiskv_requests_total", {"status": "error"}) or 0.0
+    monkeypatch.setattr(server.service.config, "request_timeout_s", 2.0)
+    body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0, "stream": stream}
+    started = time.monotonic()
+    response = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                          timeout=60)
+    if stream:
+        assert response.status_code == 200
+        last = [line for line in response.text.splitlines() if line.startswith("data:")][-1]
+        assert "timed out" in json.loads(last.removeprefix("data:"))["error"]["message"]
+    else:
+        assert response.status_code == 504 and "timed out" in response.json()["error"]["message"]
+    assert time.monotonic() - started < 20
+    stats, store_stats = _wait_until_freed(server)
+    assert stats["running"] == 0 and stats["pool_rows_used"] == 0
+    assert store_stats["num_requests"] == 0
+    assert registry.get_sample_value("oasiskv_requests_total", {"status": "error"}) == errors_before + 1
+    monkeypatch.undo()
+    assert client.completions.create(model=DEFAULT_MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+
 def test_metrics_count_requests_and_tokens(server, client):
     client.completions.create(model=DEFAULT_MODEL, prompt="hello", max_tokens=4, temperature=0)
     asyncio.run(server.service.poll_once())
