@@ -41,6 +41,10 @@ class ServeConfig(BaseModel):
     api_key: str | None = Field(default_factory=lambda: os.environ.get("OASISKV_API_KEY") or None)
     max_queued_requests: int = Field(64, ge=0, description="requests waiting for a decode pool before 429")
     request_timeout_s: float = Field(600.0, gt=0)
+    shutdown_grace_s: float = Field(
+        30.0, gt=0, description="on SIGTERM, how long requests in flight may run on; the rest are then aborted and "
+        "the cluster shut down (keep it under Kubernetes' terminationGracePeriodSeconds)",
+    )
     health_timeout_s: float = Field(5.0, gt=0, description="how long a worker has to answer a health poll")
     missed_polls_unhealthy: int = Field(
         3, ge=1, description="health polls in a row a worker may leave unanswered before requests stop going to it "

@@ -70,6 +70,9 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or OASISKV_API_KEY)")
     parser.add_argument("--max-queued-requests", type=int, default=64)
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
+                        help="on SIGTERM or Ctrl-C, how long requests in flight may run on before they are aborted "
+                             "and the cluster is shut down")
     parser.add_argument("--prefill-engine", choices=["oasiskv", "vllm"], default="oasiskv",
                         help="'vllm': prefill with vLLM (the vllm extra) through OasisKVConnector")
     parser.add_argument("--vllm-kv-cache-gb", type=float, default=1.0, help="vLLM prefill workers' own KV cache")
@@ -92,7 +95,8 @@ def config_from_args(args: argparse.Namespace):
                   transport=args.transport, placement=args.placement, dtype=args.dtype, decode=decode,
                   gpus_per_worker=args.gpus_per_worker,
                   threads_per_worker=args.threads_per_worker, max_queued_requests=args.max_queued_requests,
-                  request_timeout_s=args.request_timeout_s, prefill_engine=args.prefill_engine,
+                  request_timeout_s=args.request_timeout_s, shutdown_grace_s=args.shutdown_grace_s,
+                  prefill_engine=args.prefill_engine,
                   vllm_kv_cache_gb=args.vllm_kv_cache_gb, vllm_max_model_len=args.vllm_max_model_len)
     if args.api_key:
         fields["api_key"] = args.api_key

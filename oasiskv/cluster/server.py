@@ -40,7 +40,9 @@ def make_app(service: ClusterService, shutdown_cluster: bool = True):
         finally:
             await service.stop_polling()
             if shutdown_cluster:
+                log.info("shutting the cluster down")
                 shutdown(service.handles)
+                log.info("cluster shut down")
 
     return create_app(service, lifespan=lifespan)
 
@@ -48,7 +50,10 @@ def make_app(service: ClusterService, shutdown_cluster: bool = True):
 def run_server(config: ServeConfig) -> None:
     service = build_service(config)
     log.info("serving %s on http://%s:%d", config.model_name, config.host, config.port)
-    uvicorn.run(make_app(service), host=config.host, port=config.port, log_level="info")
+    # Without a graceful-shutdown limit uvicorn waits for every open stream, and under Kubernetes
+    # the pod is killed first: no request is aborted and the lifespan never shuts the cluster down.
+    uvicorn.run(make_app(service), host=config.host, port=config.port, log_level="info",
+                timeout_graceful_shutdown=config.shutdown_grace_s)
 
 
 class BackgroundServer:

@@ -134,3 +134,14 @@ def test_gpu_override_gives_prefill_and_decode_a_gpu_each():
     # The head's `oasiskv serve` reads it: workers ask Ray for the GPUs (Ray hides them otherwise).
     assert model["services"]["ray-head"]["environment"]["OASISKV_DEVICE"] == "cuda"
     assert "OASISKV_DEVICE" not in resolved()["services"]["ray-head"]["environment"]
+
+
+def test_docker_waits_for_the_apis_shutdown_grace_before_killing_the_head(model):
+    """Docker's default is SIGKILL 10 s after SIGTERM: the API would die inside its grace period,
+    before aborting its requests and shutting the Ray actors down."""
+    head = model["services"]["ray-head"]
+    command = head["command"]
+    grace_s = float(command[command.index("--shutdown-grace-s") + 1])
+    minutes, _, seconds = head["stop_grace_period"].removesuffix("s").rpartition("m")
+    stop_s = 60 * float(minutes or 0) + float(seconds)
+    assert stop_s >= grace_s + 30, (grace_s, head["stop_grace_period"])

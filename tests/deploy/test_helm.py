@@ -139,7 +139,7 @@ def test_crd_schema_catches_a_misspelt_field(rendered):
 def test_values_schema_rejects_bad_values():
     for bad in ("workers.decode.replicas=0", "serve.mode=fast", "serve.prefillEngine=sglang", "image.device=tpu",
                 "serve.device=gpu",
-                "serve.port=6379",
+                "serve.port=6379", "serve.shutdownGraceSeconds=0",
                 "networkPolicy.apiFrom[0].podSelectr.a=b"):
         result = helm_template(None, "--set", bad, check=False)
         assert result.returncode != 0 and "schema" in result.stderr, (bad, result.stderr)
@@ -353,6 +353,18 @@ def test_prefill_engine_reaches_oasiskv_serve():
     for engine in ("oasiskv", "vllm"):
         docs = [d for d in yaml.safe_load_all(helm_template(None, "--set", f"serve.prefillEngine={engine}").stdout) if d]
         assert head_args(one(docs, "RayCluster"))["--prefill-engine"] == engine
+
+
+def test_the_head_pod_outlives_the_apis_shutdown_grace():
+    """Kubernetes kills the head after terminationGracePeriodSeconds; the API must have aborted its
+    requests and shut the Ray actors down before that."""
+    for grace in (30, 300):
+        docs = [d for d in yaml.safe_load_all(
+            helm_template(None, "--set", f"serve.shutdownGraceSeconds={grace}").stdout) if d]
+        cluster = one(docs, "RayCluster")
+        assert head_args(cluster)["--shutdown-grace-s"] == str(grace)
+        pod = cluster["spec"]["headGroupSpec"]["template"]["spec"]
+        assert pod["terminationGracePeriodSeconds"] == grace + 30
 
 
 def test_serve_device_follows_the_image_and_gives_each_worker_its_pods_gpu_share(rendered):
