@@ -172,7 +172,7 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     try:
         # Routing errors surface with the first event, before any byte is sent; a long prefill
         # comes first too, so a client that hangs up during it must end the request here.
-        first = await _unless_disconnected(request, _first_event(events))
+        first = await _unless_disconnected(request, anext(events))
     except ClientDisconnected:
         await events.aclose()
         return _hung_up()
@@ -218,10 +218,6 @@ class ClientDisconnected(Exception):
 def _hung_up() -> Response:
     # Nobody reads it: the connection is gone. 499 is what proxies log for "client closed request".
     return Response(status_code=499)
-
-
-async def _first_event(events):
-    return await events.__anext__()
 
 
 async def _collect(first, events) -> tuple[str, str | None, int]:

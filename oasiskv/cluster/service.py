@@ -143,7 +143,7 @@ class ClusterService:
             decode_started = True
             while True:
                 try:
-                    ref = await deadline.wait(_next(stream))
+                    ref = await deadline.wait(anext(stream))
                 except StopAsyncIteration:
                     break
                 out = await deadline.wait(_await(ref))
@@ -207,10 +207,6 @@ class ClusterService:
 
 async def _await(ref):
     return await ref
-
-
-async def _next(stream):
-    return await stream.__anext__()
 
 
 class _Deadline:

@@ -197,9 +197,22 @@ def test_per_request_mode_extension(client, smollm2_llm):
     assert dense.choices[0].text == sparse.choices[0].text == _expected(smollm2_llm, prompt, 12)
 
 
-def test_client_disconnect_frees_the_request_everywhere(server):
+def _wait_until_freed(server, deadline_s: float = 30.0):
+    """The decode worker's and the store's stats once neither holds a request (or at the deadline)."""
     import ray
 
+    decode = server.service.handles.decode[0].handle
+    store = server.service.handles.stores[0].handle
+    deadline = time.monotonic() + deadline_s
+    while True:  # polled at least once, even with no time left
+        stats, store_stats = ray.get(decode.stats.remote()), ray.get(store.stats.remote())
+        freed = stats["running"] == 0 and stats["waiting"] == 0 and store_stats["num_requests"] == 0
+        if freed or time.monotonic() >= deadline:
+            return stats, store_stats
+        time.sleep(0.2)
+
+
+def test_client_disconnect_frees_the_request_everywhere(server):
     body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True,
             "ignore_eos": True, "temperature": 0}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
@@ -207,25 +220,15 @@ def test_client_disconnect_frees_the_request_everywhere(server):
         for line in response.iter_lines():
             if line.startswith("data:"):
                 break  # hang up after the first chunk
-    decode = server.service.handles.decode[0].handle
-    store = server.service.handles.stores[0].handle
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        stats, store_stats = ray.get(decode.stats.remote()), ray.get(store.stats.remote())
-        if stats["running"] == 0 and stats["waiting"] == 0 and store_stats["num_requests"] == 0:
-            break
-        time.sleep(0.2)
+    stats, store_stats = _wait_until_freed(server)
     assert stats["running"] == 0 and stats["pool_rows_used"] == 0
     assert store_stats["num_requests"] == 0
-
 
 
 @pytest.mark.parametrize("hang_up_after_s", [0.05, 1.5], ids=["during-prefill", "during-decode"])
 def test_a_client_that_hangs_up_on_a_whole_response_aborts_it(server, smollm2_llm, hang_up_after_s):
     """A non-streamed request once decoded to its end after its client had gone (and counted as a
     success): behind the auth middleware, request.is_disconnected() never turned true."""
-    import ray
-
     registry = server.service.metrics.registry
 
     def count(status):
@@ -237,33 +240,13 @@ def test_a_client_that_hangs_up_on_a_whole_response_aborts_it(server, smollm2_ll
     with pytest.raises(httpx.TimeoutException):
         httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
                    timeout=hang_up_after_s)
-    decode = server.service.handles.decode[0].handle
-    store = server.service.handles.stores[0].handle
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and count("abort") == before[1]:
         time.sleep(0.1)
     assert (count("success"), count("abort")) == (before[0], before[1] + 1)
-    while time.monotonic() < deadline:
-        stats, store_stats = ray.get(decode.stats.remote()), ray.get(store.stats.remote())
-        if stats["running"] == 0 and stats["waiting"] == 0 and store_stats["num_requests"] == 0:
-            break
-        time.sleep(0.2)
+    stats, store_stats = _wait_until_freed(server, deadline - time.monotonic())
     assert stats["running"] == 0 and stats["pool_rows_used"] == 0
     assert store_stats["num_requests"] == 0
-
-
-def _wait_until_freed(server, deadline_s: float = 30.0):
-    import ray
-
-    decode = server.service.handles.decode[0].handle
-    store = server.service.handles.stores[0].handle
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        stats, store_stats = ray.get(decode.stats.remote()), ray.get(store.stats.remote())
-        if stats["running"] == 0 and stats["waiting"] == 0 and store_stats["num_requests"] == 0:
-            break
-        time.sleep(0.2)
-    return stats, store_stats
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -292,6 +275,7 @@ def test_a_request_past_its_timeout_ends_and_is_freed_everywhere(server, client,
     assert registry.get_sample_value("oasiskv_requests_total", {"status": "error"}) == errors_before + 1
     monkeypatch.undo()
     assert client.completions.create(model=DEFAULT_MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+
 
 def test_metrics_count_requests_and_tokens(server, client):
     client.completions.create(model=DEFAULT_MODEL, prompt="hello", max_tokens=4, temperature=0)
