@@ -120,7 +120,10 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
                         "transport": "tcp" if config.transport == "tcp" else "nixl"}
         if config.address:  # other nodes must reach it
             store_config["host"] = "0.0.0.0"
-        handle, address = launch_store_actor(store_config, timeout_s=timeout_s, **_options(config, "store"))
+        # A dead store is restarted by Ray, empty, at an address the health poll picks up;
+        # the requests it held fail. Without the restart a lost store pod was lost for good.
+        handle, address = launch_store_actor(store_config, timeout_s=timeout_s,
+                                             **_options(config, "store", max_restarts=-1))
         stores.append(WorkerSlot(f"store-{i}", handle, capacity=int(config.store_capacity_gb * 2**30), address=address))
     if config.prefill_engine == "vllm":
         from ..prefill_node.vllm_worker import VLLMPrefillWorker

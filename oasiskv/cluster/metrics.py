@@ -29,6 +29,8 @@ DECODE_COUNTERS = {
                         "waits for on-demand fetches before attending (sparse-current; lookahead's top-up)"),
     "drafts_proposed": ("oasiskv_drafts_proposed", "draft tokens proposed"),
     "drafts_accepted": ("oasiskv_drafts_accepted", "draft tokens accepted"),
+    "store_free_failures": ("oasiskv_decode_store_free_failures",
+                            "requests whose store could not be told to free them (a store that had died, say)"),
     "step_failures": ("oasiskv_decode_step_failures",
                       "decode steps that raised; the requests in them ended with the error, the worker went on"),
 }

@@ -46,6 +46,9 @@ class Assignment:
     store_bytes: int
     queued: bool = False
     released: bool = field(default=False)
+    # Where the store was when the request was assigned: prefill, decode and the clean-up all
+    # use this one, though a restarted store moves.
+    store_address: str = ""
 
 
 class Router:
@@ -86,7 +89,8 @@ class Router:
             slot.load += load
             slot.active += 1
         self.queued += queued
-        return Assignment(request_id, prefill, decode, store, prompt_tokens, rows, store_bytes, queued)
+        return Assignment(request_id, prefill, decode, store, prompt_tokens, rows, store_bytes, queued,
+                          store_address=store.address)
 
     def prefill_done(self, a: Assignment) -> None:
         a.prefill.load -= a.prompt_tokens

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import asdict, dataclass
 from typing import AsyncIterator
@@ -18,6 +19,8 @@ from .config import ServeConfig
 from .launcher import HEALTH_GROUP, ClusterHandles
 from .metrics import ServingMetrics
 from .router import Router
+
+log = logging.getLogger("oasiskv.cluster")
 
 
 @dataclass
@@ -78,6 +81,10 @@ class ClusterService:
             stats = await self._poll(slot, slot.handle.stats, group=None)
             if stats is not None:
                 m.store_stats[slot.name] = stats
+                address = stats.get("address")
+                if address and address != slot.address:
+                    log.warning("%s is back at %s (it was at %s): Ray restarted it, empty", slot.name, address, slot.address)
+                    slot.address = address
             m.health[("store", slot.name)] = slot.healthy
         for slot in self.handles.prefill:
             await self._poll(slot, slot.handle.ready)
@@ -131,14 +138,14 @@ class ClusterService:
         deadline = _Deadline(self.config.request_timeout_s)
         try:
             prefill_ref = assignment.prefill.handle.prefill.remote(
-                request_id, prompt_ids, asdict(params), assignment.store.address,
+                request_id, prompt_ids, asdict(params), assignment.store_address,
                 (budget_tokens or c.budget_tokens) // c.block_size, c.sink_blocks, c.window_blocks,
             )
             result = await deadline.wait(_await(prefill_ref))
             prefilled = True
             self.router.prefill_done(assignment)
             stream = assignment.decode.handle.generate.options(num_returns="streaming").remote(
-                result, asdict(params), assignment.store.address, mode, budget_tokens
+                result, asdict(params), assignment.store_address, mode, budget_tokens
             )
             decode_started = True
             while True:
@@ -192,7 +199,7 @@ class ClusterService:
             if decode_started:
                 assignment.decode.handle.abort.remote(assignment.request_id)
             elif prefilled:
-                assignment.prefill.handle.free.remote(assignment.request_id, assignment.store.address)
+                assignment.prefill.handle.free.remote(assignment.request_id, assignment.store_address)
             elif prefill_ref is not None:  # still prefilling: free once it has written the store
                 asyncio.get_running_loop().create_task(self._free_after(prefill_ref, assignment))
         except Exception:
@@ -202,7 +209,7 @@ class ClusterService:
         with contextlib.suppress(Exception):
             await prefill_ref
         with contextlib.suppress(Exception):
-            assignment.prefill.handle.free.remote(assignment.request_id, assignment.store.address)
+            assignment.prefill.handle.free.remote(assignment.request_id, assignment.store_address)
 
 
 async def _await(ref):

@@ -23,6 +23,8 @@ class DecodeCounters:
     fetch_wait_s: float = 0.0
     drafts_proposed: int = 0
     drafts_accepted: int = 0
+    # Requests whose store could not be told to free them (it had died, say); logged each time.
+    store_free_failures: int = 0
     recall_sum: float = 0.0
     recall_samples: int = 0
 

@@ -9,6 +9,7 @@ in the pool and the store.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..kvstore import DEFAULT_SUMMARY_KIND, ranking_radius_weight, summarize_keys
+from ..kvstore import DEFAULT_SUMMARY_KIND, KVStoreError, ranking_radius_weight, summarize_keys
 from ..kvstore.summary import summary_read_dtype
 from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
@@ -31,6 +32,8 @@ from .lookahead import PlanRequest, plan_replacements_many
 from .speculative import Draft, Drafter, NgramDrafter, verify
 from .summary_pages import SummaryPages
 from .working_set import DevicePool, RowPlan, WorkingSet, plan_rows
+
+log = logging.getLogger("oasiskv.decode")
 
 
 @dataclass
@@ -160,7 +163,7 @@ class DecodeEngine:
             req = self.waiting[0]
             if req.finish_reason:
                 self.waiting.popleft()
-                self.client.free(req.request_id)
+                self._free_in_store(req.request_id)
                 finished.append(DecodeOutput(req.request_id, [], req.output_ids, req.text, True, req.finish_reason))
                 continue
             if req.plan.total > self.pool.allocator.num_free:
@@ -350,13 +353,24 @@ class DecodeEngine:
             req.write_backs.clear()
             self.pool.allocator.free(req.ws.rows.tolist())
             req.ws = None
-        self.client.free(req.request_id)
+        self._free_in_store(req.request_id)
+
+    def _free_in_store(self, request_id: str) -> None:
+        """Give a request's store memory back, as far as its store can be reached. A store that
+        died took the memory with it (Ray restarts it empty), and one that cannot be told now
+        must not keep the engine from giving back its own rows and going on: a free that raised
+        here failed the step, and every request in it, and left the worker broken."""
+        try:
+            self.client.free(request_id)
+        except KVStoreError as error:
+            self.counters.store_free_failures += 1
+            log.warning("request %s: its store memory was not freed: %s", request_id, error)
 
     def abort(self, request_id: str) -> None:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                self.client.free(request_id)
+                self._free_in_store(request_id)
                 return
         for req in self.running:
             if req.request_id == request_id:
@@ -381,7 +395,7 @@ class DecodeEngine:
             req = self.waiting.popleft()
             req.finish_reason = req.finish_reason or "abort"
             aborted.append(req.request_id)
-            attempt(self.client.free, req.request_id)
+            attempt(self._free_in_store, req.request_id)
         while self.running:
             req = self.running.pop()
             req.finish_reason = "abort"
@@ -394,7 +408,7 @@ class DecodeEngine:
                 req.write_backs.clear()
                 self.pool.allocator.free(req.ws.rows.tolist())
                 req.ws = None
-            attempt(self.client.free, req.request_id)
+            attempt(self._free_in_store, req.request_id)
         if errors:
             raise RuntimeError(f"DecodeEngine.abort_all: {len(errors)} error(s), the first: {errors[0]!r}") from errors[0]
         return aborted

@@ -27,7 +27,10 @@ class KVStoreActor:
         return self.server.address
 
     def stats(self) -> dict[str, Any]:
-        return {**self.server.store.stats().__dict__, "store_id": self.server.store_id, "nixl": self.server.serves_nixl}
+        # The address too: a store that Ray restarted (on another node, or on a new port) is only
+        # found again through it.
+        return {**self.server.store.stats().__dict__, "store_id": self.server.store_id, "nixl": self.server.serves_nixl,
+                "address": self.server.address}
 
     def metrics_text(self) -> str:
         return self.server.metrics_text()

@@ -319,7 +319,7 @@ def _store_requests(server) -> int:
 
 
 def test_killed_decode_worker_fails_its_request_and_the_server_recovers(server, client):
-    """Runs last: kills the decode actor mid-stream. Ray restarts it; the request in flight
+    """Runs next to last: kills the decode actor mid-stream. Ray restarts it; the request in flight
     ends with a clear error, its KV is freed, and later requests are served again."""
     import ray
 
@@ -347,3 +347,36 @@ def test_killed_decode_worker_fails_its_request_and_the_server_recovers(server, 
     while _store_requests(server) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _store_requests(server) == 0
+
+
+def test_a_killed_store_fails_its_request_and_comes_back_empty(server, client):
+    """Runs last, after the decode worker's: kills the store actor mid-stream. The request whose
+    KV it held ends with a clear error; Ray restarts the store, empty and at a new address, which
+    the health poll routes to, so later requests are served again."""
+    import ray
+
+    store = server.service.handles.stores[0]
+    address_before = store.address
+    body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 500, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    lines = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            if len(lines) == 3:
+                ray.kill(store.handle, no_restart=False)
+    errors = [line for line in lines if '"error"' in line]
+    assert errors and "failed in a worker" in errors[0]
+    deadline = time.monotonic() + 120
+    out = None
+    while out is None and time.monotonic() < deadline:
+        try:
+            out = client.completions.create(model=DEFAULT_MODEL, prompt="hello", max_tokens=4, temperature=0)
+        except (openai.APIStatusError, openai.APIConnectionError):
+            time.sleep(1)
+    assert out is not None and out.usage.completion_tokens == 4
+    assert store.address != address_before
+    assert _store_requests(server) == 0
+    decode_stats = ray.get(server.service.handles.decode[0].handle.stats.remote())
+    assert decode_stats["running"] == 0

@@ -103,3 +103,52 @@ def test_steps_that_keep_failing_make_the_worker_unhealthy(smollm2_llm, worker):
     assert error is not None and "decode worker failed" in str(error)
     store.free("refused")  # refused before the engine saw it: the caller still owns its KV
     assert store.stats().num_requests == 0
+
+
+def test_a_store_that_dies_ends_its_requests_and_leaves_the_worker_healthy(smollm2_llm):
+    """The store holding the running requests stops (its pod lost, say): their streams end with
+    the error, the worker gives back their pool rows although it cannot tell the store to free
+    them (counted), stays healthy, and serves a request on another store."""
+    from oasiskv.kvstore import KVStoreServer
+
+    worker = DecodeWorker("smollm2-135m", {"kv_pool_gb": 0.05, "budget_tokens": 64}, transport="tcp")
+    dying = KVStoreServer(capacity_bytes=64 * 2**20, prefault=False, transport="tcp")
+    other = KVStoreServer(capacity_bytes=64 * 2**20, prefault=False, transport="tcp")
+    dying.start()
+    other.start()
+    try:
+        params = {**PARAMS, "max_tokens": 200}
+
+        async def run_until_the_store_dies():
+            results = [Prefiller(smollm2_llm.model, connect(dying.address)).prefill(
+                f"doomed-{i}", smollm2_llm.encode(f"def function_{i}(x):\n    return"), SamplingParams(**params))
+                for i in range(2)]
+            streams = [worker.generate(r, params, dying.address) for r in results]
+            for stream in streams:
+                await anext(stream)
+            dying.stop()
+            errors = []
+            for stream in streams:
+                try:
+                    async for _ in stream:
+                        pass
+                except Exception as error:
+                    errors.append(error)
+            return errors
+
+        errors = asyncio.run(run_until_the_store_dies())
+        assert len(errors) == 2 and all("decode step failed" in str(e) for e in errors)
+        stats = worker.stats()
+        assert stats["healthy"], stats["error"]
+        assert stats["store_free_failures"] == 2
+        assert stats["pool_rows_used"] == 0 and stats["running"] == stats["waiting"] == 0
+
+        later = Prefiller(smollm2_llm.model, connect(other.address)).prefill(
+            "after", smollm2_llm.encode("class Point:\n    def __init__(self"), SamplingParams(**PARAMS))
+        items, error = asyncio.run(collect(worker, later, other.address))
+        assert error is None and items[-1]["finished"] and items[-1]["num_tokens"] == PARAMS["max_tokens"]
+        assert other.store.stats().num_requests == 0
+    finally:
+        worker.shutdown()
+        other.stop()
+        dying.stop()
