@@ -194,12 +194,13 @@ class ClusterService:
                     m.tpot.observe((end - first_token_time) / (token_count - 1))
 
     async def _cancel(self, assignment, prefill_ref, prefilled: bool, decode_started: bool) -> None:
-        """Free the request's KV wherever it is (decode pool and store, or store only)."""
+        """Free the request's KV wherever it is (decode pool and store, or store only). The store
+        is told directly, not through the prefill worker: that one may have died with the request."""
         try:
             if decode_started:
                 assignment.decode.handle.abort.remote(assignment.request_id)
             elif prefilled:
-                assignment.prefill.handle.free.remote(assignment.request_id, assignment.store_address)
+                assignment.store.handle.free.remote(assignment.request_id)
             elif prefill_ref is not None:  # still prefilling: free once it has written the store
                 asyncio.get_running_loop().create_task(self._free_after(prefill_ref, assignment))
         except Exception:
@@ -209,7 +210,7 @@ class ClusterService:
         with contextlib.suppress(Exception):
             await prefill_ref
         with contextlib.suppress(Exception):
-            assignment.prefill.handle.free.remote(assignment.request_id, assignment.store_address)
+            assignment.store.handle.free.remote(assignment.request_id)
 
 
 async def _await(ref):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import KVStoreConfig
+from .errors import UnknownRequest
 from .server import KVStoreServer
 
 
@@ -31,6 +32,17 @@ class KVStoreActor:
         # found again through it.
         return {**self.server.store.stats().__dict__, "store_id": self.server.store_id, "nixl": self.server.serves_nixl,
                 "address": self.server.address}
+
+    def free(self, request_id: str) -> bool:
+        """Drop a request's KV; False when the store does not hold it (never allocated, freed
+        already, or lost with a restart). The API process cleans up through this after a worker
+        died holding the request: the dead worker can free nothing, and a prefill worker that
+        Ray is restarting refuses calls."""
+        try:
+            self.server.store.free(request_id)
+        except UnknownRequest:
+            return False
+        return True
 
     def metrics_text(self) -> str:
         return self.server.metrics_text()

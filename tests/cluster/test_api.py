@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -316,6 +317,43 @@ def _store_requests(server) -> int:
     import ray
 
     return ray.get(server.service.handles.stores[0].handle.stats.remote())["num_requests"]
+
+
+def test_a_prefill_worker_killed_mid_prefill_leaves_nothing_in_the_store(server, client):
+    """The prefill worker dies while it writes a long prompt's KV: the request ends with a clear
+    error, and its partly written KV leaves the store at once (not at the store's TTL, ten
+    minutes later: the API asked the dead worker, then the restarting one, to free it)."""
+    import ray
+
+    prefill = server.service.handles.prefill[0].handle
+    outcome = {}
+
+    def send():
+        try:
+            client.completions.create(model=DEFAULT_MODEL, prompt=stdlib_source()[:12000], max_tokens=8)
+            outcome["error"] = None
+        except openai.APIStatusError as error:
+            outcome["error"] = error
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    deadline = time.monotonic() + 60
+    while not _store_requests(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _store_requests(server) == 1, "the prefill never started writing the store"
+    ray.kill(prefill, no_restart=False)
+    sender.join(timeout=120)
+    assert outcome["error"] is not None and outcome["error"].status_code == 503
+    assert "failed in a worker" in str(outcome["error"])
+    assert _wait_until_freed(server, deadline_s=30)[1]["num_requests"] == 0
+    out = None
+    deadline = time.monotonic() + 180
+    while out is None and time.monotonic() < deadline:
+        try:
+            out = client.completions.create(model=DEFAULT_MODEL, prompt="hello", max_tokens=4, temperature=0)
+        except (openai.APIStatusError, openai.APIConnectionError):
+            time.sleep(1)
+    assert out is not None and out.usage.completion_tokens == 4
 
 
 def test_killed_decode_worker_fails_its_request_and_the_server_recovers(server, client):
