@@ -79,6 +79,10 @@ class DecodeConfig(BaseModel):
     device: str = Field("cpu", description="cpu, cuda or cuda:N: where the model and the KV pool live (the decode "
                         "engine checks that the GPU is usable when it starts, not here: a head node may have none)")
     fetch_timeout_s: float = Field(30.0, gt=0)
+    store_keep_alive_s: float = Field(
+        30.0, gt=0, description="how often a decode worker refreshes the store TTL of every request it holds: a store "
+        "frees a request nobody touched for its ttl_s (600 s by default), and a request waiting in the queue or "
+        "decoding densely does not touch its store for as long as it lasts")
 
     @field_validator("device")
     @classmethod

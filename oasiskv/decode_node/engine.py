@@ -87,6 +87,9 @@ class DecodeOutput:
     text: str
     finished: bool
     finish_reason: str | None
+    # Set when the request could not go on (its KV could not be read from its store at
+    # admission): it has left the engine with nothing emitted, and its caller gets this error.
+    error: str | None = None
 
 
 class DecodeEngine:
@@ -169,13 +172,35 @@ class DecodeEngine:
             if req.plan.total > self.pool.allocator.num_free:
                 break
             self.waiting.popleft()
-            self._admit(req, req.plan)
+            try:
+                self._admit(req, req.plan)
+            except KVStoreError as error:
+                # This request's store failed it (gone, timed out, or it expired the request):
+                # it alone ends; the running requests have not been touched yet.
+                log.warning("request %s could not be admitted: %s", req.request_id, error)
+                self.drafter.release(req.request_id)
+                self._free_in_store(req.request_id)
+                finished.append(DecodeOutput(req.request_id, [], req.output_ids, req.text, True, None,
+                                             error=f"{type(error).__name__}: {error}"))
+                continue
+            except BaseException:
+                self.waiting.appendleft(req)  # where abort_all finds it; it was in no list and its stream hung
+                raise
             self.running.append(req)
         return finished
 
     def _admit(self, req: DecodeRequest, plan: RowPlan) -> None:
-        layout = self.layout
+        """Give the request its pool rows and fetch its first working set and summaries; on
+        failure the rows go back."""
         rows = torch.tensor(self.pool.allocator.allocate(plan.total))
+        try:
+            self._fill_working_set(req, plan, rows)
+        except BaseException:
+            self.pool.allocator.free(rows.tolist())
+            raise
+
+    def _fill_working_set(self, req: DecodeRequest, plan: RowPlan, rows: torch.Tensor) -> None:
+        layout = self.layout
         ws = WorkingSet(req.request_id, rows, plan, layout.num_layers, layout.num_kv_heads, layout.block_size)
         num_blocks = layout.num_blocks(req.num_kv)
         tail = num_blocks - 1

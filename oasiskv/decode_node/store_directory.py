@@ -6,7 +6,11 @@ the router chose, so the worker binds the request to that store's client on arri
 
 from __future__ import annotations
 
-from ..kvstore import connect
+import logging
+
+from ..kvstore import KVStoreError, connect
+
+log = logging.getLogger("oasiskv.decode")
 
 
 class StoreDirectory:
@@ -51,6 +55,21 @@ class StoreDirectory:
 
     def read_summaries(self, request_id, *args, **kwargs):
         return self._client(request_id).read_summaries(request_id, *args, **kwargs)
+
+    def keep_alive(self) -> list[str]:
+        """Refresh the store TTL of every bound request; returns those a store no longer holds.
+        Safe beside the I/O thread: the bindings are copied first and each client serializes
+        its own calls."""
+        by_client: dict[int, tuple[object, list[str]]] = {}
+        for request_id, client in list(self._by_request.items()):
+            by_client.setdefault(id(client), (client, []))[1].append(request_id)
+        unknown = []
+        for client, request_ids in by_client.values():
+            try:
+                unknown.extend(client.touch(request_ids))
+            except KVStoreError as error:  # its requests fail when they next use it, not here
+                log.warning("could not keep %d request(s) alive in their store: %s", len(request_ids), error)
+        return unknown
 
     def free(self, request_id) -> None:
         client = self._by_request.pop(request_id, None)

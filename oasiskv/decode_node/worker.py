@@ -53,6 +53,7 @@ class DecodeWorker:
         self._consecutive_failures = 0
         self._closed = False  # shutdown() was called
         self._stopped = False  # the loop has closed the engine and ended
+        self._next_keep_alive = 0.0  # monotonic time of the next store TTL refresh
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self._thread.start()
 
@@ -193,13 +194,30 @@ class DecodeWorker:
                 if self._stopped:
                     break
                 if self.engine.has_unfinished:
+                    self._keep_alive_in_stores()
                     for out in self.engine.step():
-                        self._deliver(out.request_id, self._stream_item(out))
+                        if out.error is not None:
+                            self._text_sent.pop(out.request_id, None)
+                            self._deliver(out.request_id, RuntimeError(f"request not admitted: {out.error}"))
+                        else:
+                            self._deliver(out.request_id, self._stream_item(out))
                     self._consecutive_failures = 0
             except Exception as error:
                 self._recover(error)
                 if self._error is not None:
                     time.sleep(0.5)
+
+    def _keep_alive_in_stores(self) -> None:
+        """Every store_keep_alive_s, refresh the store TTL of the requests this worker holds, so
+        that a store does not free one that waits long in the queue or decodes densely (a
+        request the store had expired failed at admission, or its free failed at the end)."""
+        now = time.monotonic()
+        if now < self._next_keep_alive:
+            return
+        self._next_keep_alive = now + self.config.store_keep_alive_s
+        lost = self.stores.keep_alive()
+        if lost:
+            log.warning("%d request(s) had already left their store: %s", len(lost), ", ".join(lost[:8]))
 
     def _recover(self, error: Exception) -> None:
         """A step raised: the requests in the engine then are in an unknown state, so they end with

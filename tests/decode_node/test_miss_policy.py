@@ -59,8 +59,9 @@ def test_skip_attends_without_late_prefetches_and_never_blocks_on_one(smollm2_ll
     assert counters.prefetch_skips > 0
     assert counters.prefetch_misses == counters.prefetch_skips
     assert counters.prefetch_waits == 0 and counters.fetch_wait_s == 0
-    # The model thread blocked only for admission's first working set and where rows must not be
-    # reused under a landing transfer (a finished request's, and a ring row whose write-back
-    # is still queued when the window comes round to it: `step`), never in a layer for a prefetch.
+    # The model thread blocked only for admission's first working set (`_fill_working_set`) and
+    # where rows must not be reused under a landing transfer (a finished request's, and a ring row
+    # whose write-back is still queued when the window comes round to it: `step`), never in a
+    # layer for a prefetch.
     assert blocking_waits, "the reads were not slow enough to test anything"
-    assert set(blocking_waits) <= {"_admit", "_finish", "step"}, blocking_waits
+    assert set(blocking_waits) <= {"_fill_working_set", "_finish", "step"}, blocking_waits

@@ -152,3 +152,44 @@ def test_a_store_that_dies_ends_its_requests_and_leaves_the_worker_healthy(smoll
         worker.shutdown()
         other.stop()
         dying.stop()
+
+
+def test_a_request_whose_store_is_gone_at_admission_fails_alone(smollm2_llm):
+    """A request waits in the queue while its store dies: at admission it ends with the store's
+    error, and the request decoding beside it (on another store) is not touched. Before, the
+    failed admission failed the whole step, and the request being admitted was in no list:
+    its stream waited forever and its pool rows were lost."""
+    from oasiskv.kvstore import KVStoreServer
+
+    worker = DecodeWorker("smollm2-135m", {"kv_pool_gb": 0.05, "budget_tokens": 64, "max_num_seqs": 1},
+                          transport="tcp")
+    stores = [KVStoreServer(capacity_bytes=64 * 2**20, prefault=False, transport="tcp") for _ in range(2)]
+    for store in stores:
+        store.start()
+    running_store, dying = stores
+    try:
+        results = [Prefiller(smollm2_llm.model, connect(store.address)).prefill(
+            f"queued-{i}", smollm2_llm.encode(f"def function_{i}(x):\n    return"), SamplingParams(**PARAMS))
+            for i, store in enumerate(stores)]
+
+        async def run():
+            first = worker.generate(results[0], PARAMS, running_store.address)
+            await anext(first)  # admitted and decoding; the other waits (one request at a time)
+            waiting = asyncio.ensure_future(collect(worker, results[1], dying.address))
+            while worker.stats()["waiting"] == 0:  # bound to its store and queued
+                await asyncio.sleep(0.01)
+            dying.stop()
+            rest = [item async for item in first]
+            return rest, await waiting
+
+        rest, (items, error) = asyncio.run(run())
+        assert rest[-1]["finished"] and rest[-1]["num_tokens"] == PARAMS["max_tokens"]
+        assert items == [] and error is not None and "request not admitted" in str(error)
+        stats = worker.stats()
+        assert stats["healthy"] and stats["step_failures"] == 0
+        assert stats["pool_rows_used"] == 0 and stats["running"] == stats["waiting"] == 0
+        assert running_store.store.stats().num_requests == 0
+    finally:
+        worker.shutdown()
+        for store in stores:
+            store.stop()
