@@ -177,11 +177,7 @@ class DecodeEngine:
             except KVStoreError as error:
                 # This request's store failed it (gone, timed out, or it expired the request):
                 # it alone ends; the running requests have not been touched yet.
-                log.warning("request %s could not be admitted: %s", req.request_id, error)
-                self.drafter.release(req.request_id)
-                self._free_in_store(req.request_id)
-                finished.append(DecodeOutput(req.request_id, [], req.output_ids, req.text, True, None,
-                                             error=f"{type(error).__name__}: {error}"))
+                finished.append(self._fail(req, "not admitted", error))
                 continue
             except BaseException:
                 self.waiting.appendleft(req)  # where abort_all finds it; it was in no list and its stream hung
@@ -261,26 +257,32 @@ class DecodeEngine:
             if self.waiting:
                 raise RuntimeError("no request fits the device KV pool although it is empty")
             return outputs
-        reqs = list(self.running)
         k = self.config.num_draft_tokens
-        drafts = self._propose(reqs, k)
-        ids, positions, step_reqs = [], [], []
-        for req, draft in zip(reqs, drafts):
+        proposed = list(zip(list(self.running), self._propose(list(self.running), k)))
+        ids, positions, step_reqs, batch = [], [], [], []
+        for req, draft in proposed:
             tokens = [req.output_ids[-1]] + draft.tokens
             pos = torch.arange(req.num_kv, req.num_kv + len(tokens))
-            self._settle_write_backs(req, pos)
+            try:
+                self._settle_write_backs(req, pos)
+            except KVStoreError as error:  # a block of its own never reached its store
+                outputs.append(self._fail(req, "its store failed it", error))
+                continue
+            batch.append((req, draft))
             ids.extend(tokens)
             positions.append(pos)
             mode, req.first_step_mode = req.first_step_mode or req.mode, None
             step_reqs.append(StepRequest(req.ws, req.summaries, pos, len(draft.tokens), mode, req.plan.budget,
                                          self._radius_weight(req)))
+        if not batch:
+            return outputs
         self._steps += 1
         self.backend.prepare(step_reqs, self._steps)
         device = self.config.device
         hidden = self.model(torch.tensor(ids, device=device), torch.cat(positions).to(device), self.backend)
         logits = self.model.compute_logits(hidden).cpu()
         start = 0
-        for req, draft in zip(reqs, drafts):
+        for req, draft in batch:
             rows = 1 + len(draft.tokens)
             emitted = verify(logits[start : start + rows], draft, req.params, req.generator)
             start += rows
@@ -289,7 +291,11 @@ class DecodeEngine:
             old_kv = req.num_kv
             req.num_kv += len(emitted)  # the last token and the accepted drafts now have K/V
             if req.mode != "dense":
-                self._write_back(req, old_kv)
+                try:
+                    self._write_back(req, old_kv)
+                except KVStoreError as error:  # what it wrote would not be in its store
+                    outputs.append(self._fail(req, "its store failed it", error))
+                    continue
             outputs.append(self._emit(req, emitted))
         self.counters.steps += 1
         return outputs
@@ -370,15 +376,31 @@ class DecodeEngine:
         if req in self.running:
             self.running.remove(req)
         if req.ws is not None:
-            for layer_handle in req.ws.pending:
-                if layer_handle is not None:
-                    layer_handle.wait(self.config.fetch_timeout_s)
-            for write_back in req.write_backs:
-                write_back.handle.wait(self.config.fetch_timeout_s)
-            req.write_backs.clear()
-            self.pool.allocator.free(req.ws.rows.tolist())
-            req.ws = None
+            # Its rows are reused only once no transfer can still land in them. A transfer that
+            # failed (its store died, say) has ended too, and the request's output is whole:
+            # raising here failed the step with the request already out of the batch, so its
+            # stream never ended and its rows were never given back.
+            handles = [h for h in req.ws.pending if h is not None] + [w.handle for w in req.write_backs]
+            try:
+                for handle in handles:
+                    try:
+                        handle.wait(self.config.fetch_timeout_s)
+                    except KVStoreError as error:
+                        log.warning("request %s: a transfer failed as it finished: %s", req.request_id, error)
+            finally:
+                req.write_backs.clear()
+                self.pool.allocator.free(req.ws.rows.tolist())
+                req.ws = None
         self._free_in_store(req.request_id)
+
+    def _fail(self, req: DecodeRequest, what: str, error: BaseException) -> DecodeOutput:
+        """End one request that its store failed (a read at admission, an extend or a write-back
+        it needs), alone: the rest of the batch goes on. It keeps what it has emitted; its caller
+        gets the error instead of a finish."""
+        log.warning("request %s: %s: %s", req.request_id, what, error)
+        self._finish(req, "error")
+        return DecodeOutput(req.request_id, [], list(req.output_ids), req.text, True, None,
+                            error=f"{what}: {type(error).__name__}: {error}")
 
     def _free_in_store(self, request_id: str) -> None:
         """Give a request's store memory back, as far as its store can be reached. A store that

@@ -198,7 +198,7 @@ class DecodeWorker:
                     for out in self.engine.step():
                         if out.error is not None:
                             self._text_sent.pop(out.request_id, None)
-                            self._deliver(out.request_id, RuntimeError(f"request not admitted: {out.error}"))
+                            self._deliver(out.request_id, RuntimeError(f"request {out.request_id}: {out.error}"))
                         else:
                             self._deliver(out.request_id, self._stream_item(out))
                     self._consecutive_failures = 0
