@@ -87,8 +87,9 @@ class DecodeOutput:
     text: str
     finished: bool
     finish_reason: str | None
-    # Set when the request could not go on (its KV could not be read from its store at
-    # admission): it has left the engine with nothing emitted, and its caller gets this error.
+    # Set when the request's store failed it (its KV could not be read at admission, a
+    # write-back did not land): it has left the engine, keeping the tokens emitted before, and
+    # its caller gets this error instead of a finish.
     error: str | None = None
 
 
