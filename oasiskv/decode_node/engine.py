@@ -259,9 +259,9 @@ class DecodeEngine:
                 raise RuntimeError("no request fits the device KV pool although it is empty")
             return outputs
         k = self.config.num_draft_tokens
-        proposed = list(zip(list(self.running), self._propose(list(self.running), k)))
+        reqs = list(self.running)  # _fail below takes a request out of self.running
         ids, positions, step_reqs, batch = [], [], [], []
-        for req, draft in proposed:
+        for req, draft in zip(reqs, self._propose(reqs, k)):
             tokens = [req.output_ids[-1]] + draft.tokens
             pos = torch.arange(req.num_kv, req.num_kv + len(tokens))
             try:

@@ -319,6 +319,33 @@ def _store_requests(server) -> int:
     return ray.get(server.service.handles.stores[0].handle.stats.remote())["num_requests"]
 
 
+def _stream_killing(server, actor) -> list[str]:
+    """A long greedy stream's lines, with `actor` killed (Ray restarts it) after the third."""
+    import ray
+
+    body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 500, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    lines = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as response:
+        for line in response.iter_lines():
+            lines.append(line)
+            if len(lines) == 3:
+                ray.kill(actor, no_restart=False)
+    return lines
+
+
+def _served_again(client, deadline_s: float):
+    """A 4-token completion once the server serves again after a worker died; None at the deadline."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            return client.completions.create(model=DEFAULT_MODEL, prompt="hello", max_tokens=4, temperature=0)
+        except (openai.APIStatusError, openai.APIConnectionError):
+            time.sleep(1)
+    return None
+
+
 def test_a_prefill_worker_killed_mid_prefill_leaves_nothing_in_the_store(server, client):
     """The prefill worker dies while it writes a long prompt's KV: the request ends with a clear
     error, and its partly written KV leaves the store at once (not at the store's TTL, ten
@@ -346,42 +373,20 @@ def test_a_prefill_worker_killed_mid_prefill_leaves_nothing_in_the_store(server,
     assert outcome["error"] is not None and outcome["error"].status_code == 503
     assert "failed in a worker" in str(outcome["error"])
     assert _wait_until_freed(server, deadline_s=30)[1]["num_requests"] == 0
-    out = None
-    deadline = time.monotonic() + 180
-    while out is None and time.monotonic() < deadline:
-        try:
-            out = client.completions.create(model=DEFAULT_MODEL, prompt="hello", max_tokens=4, temperature=0)
-        except (openai.APIStatusError, openai.APIConnectionError):
-            time.sleep(1)
+    out = _served_again(client, deadline_s=180)
     assert out is not None and out.usage.completion_tokens == 4
 
 
 def test_killed_decode_worker_fails_its_request_and_the_server_recovers(server, client):
     """Runs next to last: kills the decode actor mid-stream. Ray restarts it; the request in flight
     ends with a clear error, its KV is freed, and later requests are served again."""
-    import ray
-
-    body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 500, "stream": True,
-            "ignore_eos": True, "temperature": 0}
-    decode = server.service.handles.decode[0].handle
-    lines = []
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as response:
-        for line in response.iter_lines():
-            lines.append(line)
-            if len(lines) == 3:
-                ray.kill(decode, no_restart=False)
+    lines = _stream_killing(server, server.service.handles.decode[0].handle)
     errors = [line for line in lines if '"error"' in line]
     assert errors and "failed in a worker" in errors[0]
     assert lines[-1] != "data: [DONE]"
     deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            out = client.completions.create(model=DEFAULT_MODEL, prompt="hello", max_tokens=4, temperature=0)
-            break
-        except (openai.APIStatusError, openai.APIConnectionError):
-            time.sleep(1)
-    assert out.usage.completion_tokens == 4
+    out = _served_again(client, deadline_s=180)
+    assert out is not None and out.usage.completion_tokens == 4
     while _store_requests(server) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _store_requests(server) == 0
@@ -395,24 +400,10 @@ def test_a_killed_store_fails_its_request_and_comes_back_empty(server, client):
 
     store = server.service.handles.stores[0]
     address_before = store.address
-    body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 500, "stream": True,
-            "ignore_eos": True, "temperature": 0}
-    lines = []
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
-                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as response:
-        for line in response.iter_lines():
-            lines.append(line)
-            if len(lines) == 3:
-                ray.kill(store.handle, no_restart=False)
+    lines = _stream_killing(server, store.handle)
     errors = [line for line in lines if '"error"' in line]
     assert errors and "failed in a worker" in errors[0]
-    deadline = time.monotonic() + 120
-    out = None
-    while out is None and time.monotonic() < deadline:
-        try:
-            out = client.completions.create(model=DEFAULT_MODEL, prompt="hello", max_tokens=4, temperature=0)
-        except (openai.APIStatusError, openai.APIConnectionError):
-            time.sleep(1)
+    out = _served_again(client, deadline_s=120)
     assert out is not None and out.usage.completion_tokens == 4
     assert store.address != address_before
     assert _store_requests(server) == 0
