@@ -75,8 +75,18 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        healthy = all(s.healthy for s in service.handles.decode + service.handles.prefill + service.handles.stores)
-        return JSONResponse({"status": "ok" if healthy else "degraded"}, status_code=200 if healthy else 503)
+        """200 `ok`; 200 `degraded` while some workers are unhealthy but every role still has a
+        healthy one, so the router serves (a readiness probe keeps the API in its Service);
+        503 `unavailable` when a role has none, so every request would be refused."""
+        roles = {"prefill": service.handles.prefill, "decode": service.handles.decode, "store": service.handles.stores}
+        unhealthy = [slot.name for slots in roles.values() for slot in slots if not slot.healthy]
+        if not unhealthy:
+            return {"status": "ok"}
+        missing = [role for role, slots in roles.items() if not any(slot.healthy for slot in slots)]
+        if missing:
+            return JSONResponse({"status": "unavailable", "unhealthy": unhealthy,
+                                 "message": f"no healthy {' or '.join(missing)} worker"}, status_code=503)
+        return {"status": "degraded", "unhealthy": unhealthy}
 
     @app.get("/metrics")
     async def metrics():

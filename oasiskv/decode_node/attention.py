@@ -269,6 +269,8 @@ class SparseAttention:
         todo = []  # (layer, request, query rows, cap)
         for layer, work in batches:
             for req, query in work:
+                if req.ws.failure is not None:  # it ends after this step: nothing more to read for it
+                    continue
                 if not wait and not self.transfers.may_plan(req.ws, layer):
                     continue
                 budget = min(req.budget_blocks, req.ws.plan.budget)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..kvstore import DEFAULT_SUMMARY_KIND, KVStoreError, ranking_radius_weight, summarize_keys
+from ..kvstore import DEFAULT_SUMMARY_KIND, KVStoreError, StoreTimeout, ranking_radius_weight, summarize_keys
 from ..kvstore.summary import summary_read_dtype
 from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
@@ -87,8 +87,8 @@ class DecodeOutput:
     text: str
     finished: bool
     finish_reason: str | None
-    # Set when the request's store failed it (its KV could not be read at admission, a
-    # write-back did not land): it has left the engine, keeping the tokens emitted before, and
+    # Set when the request's store failed it (its KV could not be read at admission or during
+    # a step, a write-back did not land): it has left the engine, keeping the tokens emitted before, and
     # its caller gets this error instead of a finish.
     error: str | None = None
 
@@ -285,6 +285,10 @@ class DecodeEngine:
         start = 0
         for req, draft in batch:
             rows = 1 + len(draft.tokens)
+            if req.ws.failure is not None:  # a block it attended over never came: its logits are not its own
+                start += rows
+                outputs.append(self._fail(req, "a block read from its store failed", req.ws.failure))
+                continue
             emitted = verify(logits[start : start + rows], draft, req.params, req.generator)
             start += rows
             self.counters.drafts_proposed += len(draft.tokens)
@@ -452,7 +456,7 @@ class DecodeEngine:
             if req.ws is not None:
                 # Transfers into the pool land before its rows are reused or it is unregistered.
                 for handle in [h for h in req.ws.pending if h is not None] + [w.handle for w in req.write_backs]:
-                    attempt(handle.wait, self.config.fetch_timeout_s)
+                    attempt(self._wait_until_ended, req, handle)
                 req.write_backs.clear()
                 self.pool.allocator.free(req.ws.rows.tolist())
                 req.ws = None
@@ -460,6 +464,17 @@ class DecodeEngine:
         if errors:
             raise RuntimeError(f"DecodeEngine.abort_all: {len(errors)} error(s), the first: {errors[0]!r}") from errors[0]
         return aborted
+
+    def _wait_until_ended(self, req: DecodeRequest, handle) -> None:
+        """Wait for one of a request's transfers. One that failed has ended (its store died, say)
+        and is logged; one that may still land in the pool (StoreTimeout, or any other error)
+        raises, so that abort_all reports the engine unable to give its rows back."""
+        try:
+            handle.wait(self.config.fetch_timeout_s)
+        except StoreTimeout:
+            raise
+        except KVStoreError as error:
+            log.warning("request %s: a transfer had failed as it was aborted: %s", req.request_id, error)
 
     def close(self) -> None:
         """Abort every request (`abort_all`), unregister the pool from the client and stop the I/O

@@ -19,6 +19,8 @@ import threading
 from collections import deque
 from concurrent.futures import Future
 
+from ..kvstore import KVStoreError
+
 # Control calls that belong to a write-back.
 URGENT_CALLS = frozenset({"extend"})
 
@@ -37,6 +39,27 @@ class FetchHandle:
 
     def wait(self, timeout: float | None = None) -> None:
         self.future.result(timeout)
+
+
+class ReadOfJob(FetchHandle):
+    """One read of a `read_many` job: done when the job is, failed only if this read failed."""
+
+    def __init__(self, future: Future, index: int):
+        super().__init__(future)
+        self.index = index
+
+    def done(self) -> bool:
+        if not self.future.done():
+            return False
+        self._raise_own(self.future.result())
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._raise_own(self.future.result(timeout))
+
+    def _raise_own(self, errors: list) -> None:
+        if errors[self.index] is not None:
+            raise errors[self.index]
 
 
 class IOThreadClient:
@@ -83,17 +106,35 @@ class IOThreadClient:
     def read_blocks(self, *args, **kwargs) -> FetchHandle:
         return self._transfer("read_blocks", *args, **kwargs)
 
-    def read_many(self, reads: list[tuple]) -> FetchHandle:
-        """Several `read_blocks(*args)` (e.g. one per request for a layer) as ONE job: every
-        job hands the GIL to this thread and back, which cost the model thread more than the
-        reads themselves when it was one job per request."""
+    def read_many(self, reads: list[tuple]) -> list["ReadOfJob"]:
+        """Several `read_blocks(*args)` (e.g. one per request for a layer) as ONE job, with one
+        handle per read: every job hands the GIL to this thread and back, which cost the model
+        thread more than the reads themselves when it was one job per request. The job waits
+        for every read, and a read that fails (its store died) fails only its own handle: the
+        requests beside it in the job read from other stores, and a shared failure ended them
+        all, then broke the worker when it could not confirm their transfers had ended."""
 
-        def run():
-            handles = [self.client.read_blocks(*args) for args in reads]
-            for handle in handles:
-                handle.wait(self.timeout_s)
+        def run() -> list[KVStoreError | None]:
+            submitted = []
+            for args in reads:
+                try:
+                    submitted.append(self.client.read_blocks(*args))
+                except KVStoreError as error:
+                    submitted.append(error)
+            errors = []
+            for handle in submitted:
+                if isinstance(handle, KVStoreError):
+                    errors.append(handle)
+                    continue
+                try:
+                    handle.wait(self.timeout_s)
+                    errors.append(None)
+                except KVStoreError as error:
+                    errors.append(error)
+            return errors
 
-        return FetchHandle(self._submit(run))
+        future = self._submit(run)
+        return [ReadOfJob(future, index) for index in range(len(reads))]
 
     def write_blocks(self, *args, **kwargs) -> FetchHandle:
         return self._transfer("write_blocks", *args, urgent=True, **kwargs)

@@ -131,6 +131,9 @@ class WorkingSet:
     pending: list = field(init=False)  # per layer: TransferHandle | None
     # Per layer: the fraction of a block replacement not yet spent (see lookahead.replacement_cap).
     replace_credit: list = field(init=False)
+    # The first transfer into these rows that failed (its store died, say): the rows hold no
+    # usable KV, so the engine ends the request after the step, and plans nothing more for it.
+    failure: Exception | None = field(default=None, init=False)
 
     def __post_init__(self):
         shape = (self.num_layers, self.num_kv_heads, self.plan.kv_rows)

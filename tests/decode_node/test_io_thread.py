@@ -9,11 +9,17 @@ import time
 import pytest
 
 from oasiskv.decode_node.io_thread import IOThreadClient
+from oasiskv.kvstore.errors import StoreUnavailable, TransferError
 
 
 class _Done:
     def wait(self, timeout=None):
         return None
+
+
+class _FailsLate:
+    def wait(self, timeout=None):
+        raise TransferError("the link went down mid-read")
 
 
 class RecordingClient:
@@ -31,6 +37,10 @@ class RecordingClient:
             assert self.gate.wait(10)
         if blocks == "broken":
             raise OSError("link down")
+        if blocks == "store-gone":
+            raise StoreUnavailable("cannot connect to store")
+        if blocks == "fails-late":
+            return _FailsLate()
         self.calls.append(f"read {blocks}")
         return _Done()
 
@@ -66,7 +76,7 @@ def test_a_write_back_overtakes_the_reads_queued_before_it(io):
     write = io.write_blocks("r", 0, 0, "w", None)
     later_read = io.read_blocks("r", 0, 0, "b3", None)
     client.gate.set()
-    for handle in (first, queued, write, later_read):
+    for handle in (first, *queued, write, later_read):
         handle.wait(10)
     extended.join(10)
     # The read in progress finishes; then the urgent lane (extend, write, in their order); then
@@ -96,6 +106,24 @@ def test_a_failed_transfer_raises_where_it_is_awaited_and_the_thread_goes_on(io)
         broken.done()
     io.read_blocks("r", 0, 0, "b1", None).wait(10)
     assert client.calls == ["read b1"]
+
+
+def test_a_read_that_fails_fails_only_its_own_handle_of_the_job(io):
+    """read_many runs one job for several requests' reads, which may come from different stores:
+    the one whose store is gone (at submission or mid-read) fails; the others land."""
+    io, client = io
+    handles = io.read_many([("a", 0, 0, "b1", None), ("b", 0, 0, "store-gone", None),
+                            ("c", 0, 0, "fails-late", None), ("d", 0, 0, "b2", None)])
+    handles[0].wait(10)
+    handles[3].wait(10)
+    assert handles[0].done() and handles[3].done()
+    with pytest.raises(StoreUnavailable):
+        handles[1].wait(10)
+    with pytest.raises(TransferError, match="mid-read"):
+        handles[2].done()
+    assert client.calls == ["read b1", "read b2"]
+    io.read_blocks("e", 0, 0, "b3", None).wait(10)
+    assert client.calls[-1] == "read b3"
 
 
 def test_close_runs_what_is_queued_and_refuses_more():

@@ -194,3 +194,58 @@ def test_a_request_whose_store_is_gone_at_admission_fails_alone(smollm2_llm):
         worker.shutdown()
         for store in stores:
             store.stop()
+
+
+def test_a_store_that_dies_under_the_prefetches_ends_only_its_request(smollm2_llm):
+    """Two long requests decode in one batch, each from its own store, and each step prefetches
+    blocks for both in one I/O job. One store stops: its request ends with the failed read, the
+    other decodes to the end, and the worker stays healthy. Before, the shared job's failure
+    failed the step, and the worker, unable to confirm the transfers had ended, broke for good."""
+    import json.decoder
+
+    from oasiskv.kvstore import KVStoreServer
+
+    config = {"kv_pool_gb": 0.05, "budget_tokens": 64, "max_replace_fraction": 1.0, "prefetch_rank_fraction": 1.0}
+    worker = DecodeWorker("smollm2-135m", config, transport="tcp")
+    stores = [KVStoreServer(capacity_bytes=64 * 2**20, prefault=False, transport="tcp") for _ in range(2)]
+    for store in stores:
+        store.start()
+    surviving, dying = stores
+    try:
+        params = {**PARAMS, "max_tokens": 96}
+        source = smollm2_llm.encode(open(json.decoder.__file__).read())
+        results = [Prefiller(smollm2_llm.model, connect(store.address)).prefill(
+            f"long-{i}", source[i * 50 : i * 50 + 600], SamplingParams(**params),
+            budget_blocks=worker.config.budget_blocks, excluded_head_blocks=worker.config.sink_blocks,
+            excluded_tail_blocks=worker.config.window_blocks) for i, store in enumerate(stores)]
+
+        async def run():
+            streams = [worker.generate(r, params, s.address) for r, s in zip(results, stores)]
+            for stream in streams:
+                await anext(stream)
+            fetched = worker.engine.counters.blocks_fetched
+            dying.stop()
+            outcomes = []
+            for stream in streams:
+                items = []
+                try:
+                    async for item in stream:
+                        items.append(item)
+                except RuntimeError as error:
+                    outcomes.append((items, error))
+                else:
+                    outcomes.append((items, None))
+            return fetched, outcomes
+
+        fetched, ((items, error), (_, dying_error)) = asyncio.run(run())
+        assert fetched > 0, "no block was prefetched before the store stopped: nothing tested"
+        assert error is None and items[-1]["finished"] and items[-1]["num_tokens"] == params["max_tokens"]
+        assert dying_error is not None and "a block read from its store failed: StoreUnavailable" in str(dying_error)
+        stats = worker.stats()
+        assert stats["healthy"], stats["error"]
+        assert stats["step_failures"] == 0 and stats["pool_rows_used"] == 0
+        assert surviving.store.stats().num_requests == 0
+    finally:
+        worker.shutdown()
+        for store in stores:
+            store.stop()

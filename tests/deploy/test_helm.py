@@ -179,7 +179,7 @@ def test_every_ray_container_runs_the_entrypoint_with_overwritten_kuberay_comman
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert "/dev/shm" in mounts
         if group == "head":
-            # a degraded cluster (/health 503) leaves the Service, but the head is not restarted
+            # a cluster that cannot serve (/health 503) leaves the Service, but the head is not restarted
             assert container["readinessProbe"]["httpGet"]["path"] == "/health"
             assert "tcpSocket" in container["livenessProbe"]
         else:
