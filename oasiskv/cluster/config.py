@@ -50,6 +50,10 @@ class ServeConfig(BaseModel):
         3, ge=1, description="health polls in a row a worker may leave unanswered before requests stop going to it "
         "(a worker whose actor died is taken out at once)",
     )
+    restart_broken_decode_workers: bool = Field(
+        True, description="ask Ray to restart a decode worker that reports its engine broken for good (it reloads "
+        "its model), as Kubernetes restarts a container that fails its liveness probe",
+    )
     prefill_chunk_tokens: int = Field(1024, ge=16)
     summary_kind: Literal[SUMMARY_KINDS] = Field(
         DEFAULT_SUMMARY_KIND, description=f"how the stores summarize each block's keys for the sparse modes, one of "

@@ -48,6 +48,8 @@ class ServingMetrics:
         self.e2e = Histogram("oasiskv_request_e2e_seconds", "end-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
         self.queue_length = Gauge("oasiskv_queue_length", "requests waiting for a decode pool", registry=r)
         self.running = Gauge("oasiskv_running_requests", "requests being served", registry=r)
+        self.worker_restarts = Counter("oasiskv_worker_restarts", "workers the API asked Ray to restart because "
+                                       "they reported themselves broken", ["role", "worker"], registry=r)
         self.prompt_tokens = Counter("oasiskv_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("oasiskv_generation_tokens", "generated tokens", registry=r)
         self.worker_stats: dict[str, dict] = {}  # decode worker name -> last stats()

@@ -33,6 +33,7 @@ class WorkerSlot:
     healthy: bool = True
     address: str = ""
     missed_polls: int = 0  # health polls in a row that got no answer in time
+    restart_requested: bool = False  # decode: asked Ray to restart it; cleared when it answers healthy
 
 
 @dataclass

@@ -46,6 +46,7 @@ class ClusterService:
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", ()))
         self._poller: asyncio.Task | None = None
         self._last_bytes: dict[str, tuple[float, float]] = {}
+        self.restart_actor = _restart_ray_actor  # a unit test of the poll puts a stand-in here
 
     # -- background health and stats -----------------------------------------------------
     def start_polling(self, interval_s: float = 2.0) -> None:
@@ -70,6 +71,11 @@ class ClusterService:
             stats = await self._poll(slot, slot.handle.stats)
             if stats is not None:
                 slot.healthy = bool(stats["healthy"])  # the worker's own word: its engine is broken
+                if slot.healthy:
+                    slot.restart_requested = False
+                elif (self.config.restart_broken_decode_workers and not slot.restart_requested
+                      and not stats.get("closed")):
+                    self._restart(slot, "decode", stats.get("error") or "its decode loop has stopped")
                 m.worker_stats[slot.name] = stats
                 now, total = time.monotonic(), float(stats.get("bytes_fetched") or 0)
                 if slot.name in self._last_bytes:
@@ -90,6 +96,19 @@ class ClusterService:
             await self._poll(slot, slot.handle.ready)
             m.health[("prefill", slot.name)] = slot.healthy
         m.queue_length.set(self.router.queued)
+
+    def _restart(self, slot, role: str, reason: str) -> None:
+        """A worker broken for good refuses every request until it is restarted; nothing else
+        restarts it (its actor is alive, and the head's liveness probe only checks the port).
+        Once per breakage: the old actor may answer a poll or two more before it goes."""
+        slot.restart_requested = True
+        log.error("%s is broken (%s): asking Ray to restart it", slot.name, reason)
+        try:
+            self.restart_actor(slot.handle)
+        except Exception:
+            log.exception("%s could not be restarted; it stays out of routing", slot.name)
+            return
+        self.metrics.worker_restarts.labels(role, slot.name).inc()
 
     async def _poll(self, slot, method, group: str | None = HEALTH_GROUP):
         """Call a worker's health method; its answer, or None. A worker that raised (its actor
@@ -230,3 +249,10 @@ class _Deadline:
         except TimeoutError:
             self.expired = time.monotonic() >= self.at
             raise
+
+
+def _restart_ray_actor(handle) -> None:
+    """Kill the actor so that Ray starts it again (the launcher gives workers max_restarts=-1)."""
+    import ray
+
+    ray.kill(handle, no_restart=False)

@@ -76,6 +76,7 @@ class DecodeWorker:
             "waiting": len(self.engine.waiting),
             "healthy": self._error is None and self._thread.is_alive(),
             "error": self._error,
+            "closed": self._closed,  # shut down on purpose: stopped, not broken
             "step_failures": self._step_failures,
         }
 

@@ -377,6 +377,27 @@ def test_a_prefill_worker_killed_mid_prefill_leaves_nothing_in_the_store(server,
     assert out is not None and out.usage.completion_tokens == 4
 
 
+def test_a_decode_worker_broken_for_good_is_restarted_and_serves_again(server, client):
+    """A decode worker that reports its engine broken for good (its error set from outside here,
+    as three failed steps in a row or requests it could not give back would set it) refuses
+    every request, and nothing restarted it: its actor lives and the head's liveness probe checks
+    only the port. The API's health poll now has Ray restart it, and requests are served again."""
+    import ray
+
+    slot = server.service.handles.decode[0]
+    ray.get(slot.handle.__ray_call__.remote(lambda worker: setattr(worker, "_error", "injected: broken for good")))
+    asyncio.run(server.service.poll_once())  # the background poll may have been first
+    assert slot.restart_requested
+    out = _served_again(client, deadline_s=180)
+    assert out is not None and out.usage.completion_tokens == 4
+    stats = ray.get(slot.handle.stats.remote())
+    assert stats["healthy"] and stats["error"] is None
+    asyncio.run(server.service.poll_once())
+    assert slot.healthy and not slot.restart_requested
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'oasiskv_worker_restarts_total{role="decode",worker="decode-0"} 1.0' in metrics
+
+
 def test_killed_decode_worker_fails_its_request_and_the_server_recovers(server, client):
     """Runs next to last: kills the decode actor mid-stream. Ray restarts it; the request in flight
     ends with a clear error, its KV is freed, and later requests are served again."""

@@ -1,6 +1,7 @@
 """The service's health poll (ClusterService.poll_once) against stand-in actor handles: a worker
 that is only slow to answer stays in routing until it misses several polls in a row; one whose
-actor raised (died) leaves at once; any answer brings a worker back."""
+actor raised (died) leaves at once; any answer brings a worker back; a decode worker that says
+its engine is broken is restarted, once per breakage."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def make_service(missed_polls_unhealthy=3):
     config = ServeConfig(health_timeout_s=0.05, missed_polls_unhealthy=missed_polls_unhealthy)
     service = ClusterService(config, ClusterHandles([prefill], [decode], [store]), tokenizer=None,
                              kv_bytes_per_token=1, max_model_len=2048)
+    service.restarted = []
+    service.restart_actor = service.restarted.append  # stands in for ray.kill(handle, no_restart=False)
     return service, prefill, decode, store
 
 
@@ -87,3 +90,39 @@ def test_worker_polls_use_the_health_group():
     poll(service)
     assert prefill.handle.ready.groups == [HEALTH_GROUP] and decode.handle.stats.groups == [HEALTH_GROUP]
     assert store.handle.stats.groups == []  # the store actor has no such group
+
+
+def test_a_broken_decode_worker_is_restarted_once_per_breakage():
+    service, _, decode, _ = make_service()
+    decode.handle.stats.answer = {"healthy": False, "error": "3 decode steps in a row failed"}
+    poll(service)
+    poll(service)  # the old actor answers again before it goes: not a second restart
+    assert service.restarted == [decode.handle] and not decode.healthy
+    decode.handle.stats.behaviour = "raise"  # restarting
+    poll(service)
+    assert not decode.healthy and len(service.restarted) == 1
+    decode.handle.stats.behaviour = "answer"
+    decode.handle.stats.answer = {"healthy": True}
+    poll(service)
+    assert decode.healthy
+    decode.handle.stats.answer = {"healthy": False, "error": None}  # its loop died: broken again
+    poll(service)
+    assert service.restarted == [decode.handle, decode.handle]
+    samples = {s.labels["worker"]: s.value for s in service.metrics.worker_restarts.collect()[0].samples
+               if s.name.endswith("_total")}
+    assert samples == {"decode-0": 2.0}
+
+
+def test_restarting_broken_decode_workers_can_be_turned_off():
+    service, _, decode, _ = make_service()
+    service.config = service.config.model_copy(update={"restart_broken_decode_workers": False})
+    decode.handle.stats.answer = {"healthy": False, "error": "3 decode steps in a row failed"}
+    poll(service)
+    assert service.restarted == [] and not decode.healthy
+
+
+def test_a_decode_worker_shut_down_on_purpose_is_not_restarted():
+    service, _, decode, _ = make_service()
+    decode.handle.stats.answer = {"healthy": False, "error": None, "closed": True}
+    poll(service)
+    assert service.restarted == [] and not decode.healthy

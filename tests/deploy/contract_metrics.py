@@ -23,7 +23,7 @@ COUNTERS = [
     "oasiskv_prefetch_hits_total", "oasiskv_prefetch_misses_total", "oasiskv_prefetch_waits_total",
     "oasiskv_prefetch_skips_total", "oasiskv_decode_fetch_wait_seconds_total", "oasiskv_decode_on_demand_waits_total",
     "oasiskv_drafts_proposed_total", "oasiskv_drafts_accepted_total", "oasiskv_decode_step_failures_total",
-    "oasiskv_decode_store_free_failures_total",
+    "oasiskv_decode_store_free_failures_total", "oasiskv_worker_restarts_total",
 ]
 HISTOGRAMS = ["oasiskv_request_ttft_seconds", "oasiskv_request_itl_seconds",
               "oasiskv_request_tpot_seconds", "oasiskv_request_e2e_seconds"]

@@ -109,6 +109,7 @@ def test_the_api_exposes_every_name_the_dashboards_and_rules_use():
     metrics.store_stats["store-0"] = {"used_bytes": 1, "capacity_bytes": 2}
     metrics.health[("decode", "decode-0")] = True
     metrics.nixl_rate["decode-0"] = 1.0
+    metrics.worker_restarts.labels("decode", "decode-0").inc()
     exposition = generate_latest(metrics.registry).decode()
     exposed = {sample.name for family in text_string_to_metric_families(exposition) for sample in family.samples}
     used = set().union(*(pq.metric_names(q.expr) for q in pq.load_queries()))
