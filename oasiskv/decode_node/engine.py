@@ -27,7 +27,7 @@ from ..models.transformer import DecoderModel
 from .attention import SparseAttention, StepRequest
 from .config import DecodeConfig
 from .counters import DecodeCounters
-from .io_thread import IOThreadClient
+from .io_thread import IOThreadClient, transfer_ended
 from .lookahead import PlanRequest, plan_replacements_many
 from .speculative import Draft, Drafter, NgramDrafter, verify
 from .summary_pages import SummaryPages
@@ -58,6 +58,7 @@ class DecodeRequest:
     text: str = ""
     finish_reason: str | None = None
     write_backs: list[WriteBack] = field(default_factory=list)
+    failure: BaseException | None = None  # what its store failed it with (`_fail`)
     mode: str = "lookahead"
     summary_kind: str = DEFAULT_SUMMARY_KIND  # how the store summarized the prompt (its KVLayout); write-back matches it
     # A prefill that predicted no working set (vLLM prefill has no queries to give) makes the
@@ -119,6 +120,10 @@ class DecodeEngine:
         self.eos_token_ids = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
         self.waiting: deque[DecodeRequest] = deque()
         self.running: list[DecodeRequest] = []
+        # (pool rows, transfers that may still write into them): rows of requests that ended
+        # while a transfer of theirs had not (its store stopped answering); they go back to the
+        # pool once every such transfer has ended.
+        self.quarantine: list[tuple[list[int], list]] = []
         self._steps = 0
 
     # -- admission -----------------------------------------------------------------------
@@ -188,15 +193,16 @@ class DecodeEngine:
 
     def _admit(self, req: DecodeRequest, plan: RowPlan) -> None:
         """Give the request its pool rows and fetch its first working set and summaries; on
-        failure the rows go back."""
+        failure the rows go back (once the read into them has ended)."""
         rows = torch.tensor(self.pool.allocator.allocate(plan.total))
+        transfers: list = []
         try:
-            self._fill_working_set(req, plan, rows)
+            self._fill_working_set(req, plan, rows, transfers)
         except BaseException:
-            self.pool.allocator.free(rows.tolist())
+            self._give_back_rows(req.request_id, rows.tolist(), transfers)
             raise
 
-    def _fill_working_set(self, req: DecodeRequest, plan: RowPlan, rows: torch.Tensor) -> None:
+    def _fill_working_set(self, req: DecodeRequest, plan: RowPlan, rows: torch.Tensor, transfers: list) -> None:
         layout = self.layout
         ws = WorkingSet(req.request_id, rows, plan, layout.num_layers, layout.num_kv_heads, layout.block_size)
         num_blocks = layout.num_blocks(req.num_kv)
@@ -235,9 +241,9 @@ class DecodeEngine:
                 row_index.append(fetch.row_indices)
         layers, heads, blocks, row_index = (np.concatenate(x).astype(np.int64) for x in (layers, heads, blocks, row_index))
         slots = self.pool.unit_ids(rows[torch.from_numpy(row_index)], torch.from_numpy(layers), torch.from_numpy(heads))
-        self.client.read_blocks(req.request_id, layers, heads, blocks, self.pool.tensor, slots.numpy()).wait(
-            self.config.fetch_timeout_s
-        )
+        transfers.append(self.client.read_blocks(req.request_id, layers, heads, blocks, self.pool.tensor,
+                                                 slots.numpy()))
+        transfers[-1].wait(self.config.fetch_timeout_s)
         self.counters.admission_bytes_fetched += int(blocks.size) * layout.unit_bytes
         req.summaries = SummaryPages(self.pool, ws.summary_rows)
         if plan.budget:
@@ -253,6 +259,7 @@ class DecodeEngine:
 
     @torch.inference_mode()
     def step(self) -> list[DecodeOutput]:
+        self.release_ended_rows()
         outputs = self._admit_waiting()
         if not self.running:
             if self.waiting:
@@ -375,48 +382,95 @@ class DecodeEngine:
             self._finish(req, reason)
         return DecodeOutput(req.request_id, new, list(req.output_ids), req.text, reason is not None, reason)
 
-    def _finish(self, req: DecodeRequest, reason: str) -> None:
+    def _finish(self, req: DecodeRequest, reason: str, wait: bool = True) -> None:
+        """Take the request out: its drafter state, its rows (once no transfer can still land in
+        them) and its store memory. `wait`: wait for its transfers first (False: a request its
+        store failed, whose transfers may be held up for as long as the store does not answer)."""
         req.finish_reason = reason
         self.drafter.release(req.request_id)
         if req in self.running:
             self.running.remove(req)
         if req.ws is not None:
-            # Its rows are reused only once no transfer can still land in them. A transfer that
-            # failed (its store died, say) has ended too, and the request's output is whole:
-            # raising here failed the step with the request already out of the batch, so its
-            # stream never ended and its rows were never given back.
             handles = [h for h in req.ws.pending if h is not None] + [w.handle for w in req.write_backs]
             try:
-                for handle in handles:
+                for handle in handles if wait else ():
                     try:
                         handle.wait(self.config.fetch_timeout_s)
                     except KVStoreError as error:
+                        # Its output is whole; raising here failed the step with the request
+                        # already out of the batch, so its stream never ended.
                         log.warning("request %s: a transfer failed as it finished: %s", req.request_id, error)
             finally:
                 req.write_backs.clear()
-                self.pool.allocator.free(req.ws.rows.tolist())
+                self._give_back_rows(req.request_id, req.ws.rows.tolist(), handles)
                 req.ws = None
-        self._free_in_store(req.request_id)
+        self._free_in_store(req.request_id, wait=not isinstance(req.failure, StoreTimeout))
+
+    def _give_back_rows(self, request_id: str, rows: list[int], transfers: list) -> None:
+        """Rows go back to the pool at once, or, while a transfer may still write into them,
+        into quarantine until it has ended (`release_ended_rows`)."""
+        unended = [handle for handle in transfers if not transfer_ended(handle)]
+        if unended:
+            log.warning("request %s: %d transfer(s) into its %d pool rows have not ended; the rows wait for them",
+                        request_id, len(unended), len(rows))
+            self.quarantine.append((rows, unended))
+        else:
+            self.pool.allocator.free(rows)
+
+    def release_ended_rows(self) -> None:
+        """Give back the quarantined rows whose transfers have all ended."""
+        if not self.quarantine:
+            return
+        held = []
+        for rows, transfers in self.quarantine:
+            transfers = [handle for handle in transfers if not transfer_ended(handle)]
+            if transfers:
+                held.append((rows, transfers))
+            else:
+                self.pool.allocator.free(rows)
+        self.quarantine = held
+
+    def drain_quarantine(self, timeout_s: float) -> bool:
+        """Wait, at most `timeout_s`, for the quarantined rows to come back; whether they all did."""
+        deadline = time.monotonic() + timeout_s
+        self.release_ended_rows()
+        while self.quarantine and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self.release_ended_rows()
+        return not self.quarantine
 
     def _fail(self, req: DecodeRequest, what: str, error: BaseException) -> DecodeOutput:
-        """End one request that its store failed (a read at admission, an extend or a write-back
-        it needs), alone: the rest of the batch goes on. It keeps what it has emitted; its caller
-        gets the error instead of a finish."""
+        """End one request that its store failed (a read, an extend or a write-back it needs),
+        alone: the rest of the batch goes on. It keeps what it has emitted; its caller gets the
+        error instead of a finish."""
         log.warning("request %s: %s: %s", req.request_id, what, error)
-        self._finish(req, "error")
+        req.failure = error
+        self._finish(req, "error", wait=False)
         return DecodeOutput(req.request_id, [], list(req.output_ids), req.text, True, None,
                             error=f"{what}: {type(error).__name__}: {error}")
 
-    def _free_in_store(self, request_id: str) -> None:
+    def _free_in_store(self, request_id: str, wait: bool = True) -> None:
         """Give a request's store memory back, as far as its store can be reached. A store that
         died took the memory with it (Ray restarts it empty), and one that cannot be told now
         must not keep the engine from giving back its own rows and going on: a free that raised
-        here failed the step, and every request in it, and left the worker broken."""
+        here failed the step, and every request in it, and left the worker broken. `wait`:
+        False for a store that has already timed out on the request: the free is queued on its
+        I/O thread, and the decode steps do not wait for a store that may not answer."""
+        if not wait:
+            self.client.call_later("free", request_id).add_done_callback(
+                lambda future: self._count_free(request_id, future.exception()))
+            return
         try:
             self.client.free(request_id)
         except KVStoreError as error:
+            self._count_free(request_id, error)
+
+    def _count_free(self, request_id: str, error: BaseException | None) -> None:
+        if isinstance(error, KVStoreError):
             self.counters.store_free_failures += 1
             log.warning("request %s: its store memory was not freed: %s", request_id, error)
+        elif error is not None:
+            log.error("request %s: freeing its store memory raised %r", request_id, error)
 
     def abort(self, request_id: str) -> None:
         for req in list(self.waiting):
@@ -454,27 +508,16 @@ class DecodeEngine:
             aborted.append(req.request_id)
             attempt(self.drafter.release, req.request_id)
             if req.ws is not None:
-                # Transfers into the pool land before its rows are reused or it is unregistered.
-                for handle in [h for h in req.ws.pending if h is not None] + [w.handle for w in req.write_backs]:
-                    attempt(self._wait_until_ended, req, handle)
+                # Rows go back once no transfer can land in them: a step that raised midway may
+                # have left some in flight, and a store that stopped answering holds its own.
+                self._give_back_rows(req.request_id, req.ws.rows.tolist(),
+                                     [h for h in req.ws.pending if h is not None] + [w.handle for w in req.write_backs])
                 req.write_backs.clear()
-                self.pool.allocator.free(req.ws.rows.tolist())
                 req.ws = None
             attempt(self._free_in_store, req.request_id)
         if errors:
             raise RuntimeError(f"DecodeEngine.abort_all: {len(errors)} error(s), the first: {errors[0]!r}") from errors[0]
         return aborted
-
-    def _wait_until_ended(self, req: DecodeRequest, handle) -> None:
-        """Wait for one of a request's transfers. One that failed has ended (its store died, say)
-        and is logged; one that may still land in the pool (StoreTimeout, or any other error)
-        raises, so that abort_all reports the engine unable to give its rows back."""
-        try:
-            handle.wait(self.config.fetch_timeout_s)
-        except StoreTimeout:
-            raise
-        except KVStoreError as error:
-            log.warning("request %s: a transfer had failed as it was aborted: %s", req.request_id, error)
 
     def close(self) -> None:
         """Abort every request (`abort_all`), unregister the pool from the client and stop the I/O
@@ -488,19 +531,26 @@ class DecodeEngine:
             self.abort_all()
         except Exception as error:
             errors.append(error)
-        if hasattr(self.client.client, "unregister"):  # a StoreDirectory registers with each store itself
+        if not self.drain_quarantine(self.config.fetch_timeout_s):
+            # Unregistered memory that a transfer then writes into is worse than a leak at exit.
+            log.warning("closing with %d request(s)' transfers not ended (a store does not answer); the pool "
+                        "stays registered", len(self.quarantine))
+        elif hasattr(self.client.client, "unregister"):  # a StoreDirectory registers with each store itself
             try:
                 self.client.unregister(self.pool.tensor)
             except Exception as error:
                 errors.append(error)
-        self.client.close()  # runs what is queued, then stops the thread
+        self.client.close(self.config.fetch_timeout_s)  # runs what is queued, then stops the threads
         if errors:
             raise RuntimeError(f"DecodeEngine.close: {len(errors)} error(s), the first: {errors[0]!r}") from errors[0]
 
     def run_to_completion(self) -> dict[str, DecodeOutput]:
+        """Step until every request has finished; the rows of those that failed are back too
+        (unless a store holds their transfers up past the fetch timeout)."""
         final = {}
         while self.has_unfinished:
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
+        self.drain_quarantine(self.config.fetch_timeout_s)
         return final

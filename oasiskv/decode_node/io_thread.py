@@ -1,79 +1,106 @@
-"""All of the decode engine's store calls on one I/O thread.
+"""All of the decode engine's store calls on I/O threads: one per store.
 
 With UCX's CMA transport NIXL copies inside `transfer()`, so a READ returns already complete and
 the caller has spent the copy time. Submitting from a thread of its own lets the copy run while
-the model computes (torch releases the GIL in its kernels). One thread, so the client is never
-used from two threads at once.
+the model computes (torch releases the GIL in its kernels). Each store's calls run on one
+thread, so its client is never used from two threads at once; a client that routes requests to
+several stores (`route(request_id)`, a `StoreDirectory`) gets a thread per store, so that one
+store that stops answering holds up the transfers of its own requests only.
 
-Two lanes. Reads and control calls run first in first out. A write-back (`write_blocks`, and
-the `extend` before it) goes in an urgent lane that the thread drains first: the model thread
-waits for it (`extend` at once, the write before its ring row is reused), while prefetches may
-queue for a whole step behind a slow link. Overtaking queued reads is safe: they read blocks
-before the local window, and the block written back is still in the window, so any read of it
-is queued after its write, and the urgent lane runs first.
+Two lanes per thread. Reads and control calls run first in first out. A write-back
+(`write_blocks`, and the `extend` before it) goes in an urgent lane that the thread drains
+first: the model thread waits for it (`extend` at once, the write before its ring row is
+reused), while prefetches may queue for a whole step behind a slow link. Overtaking queued
+reads is safe: they read blocks before the local window, and the block written back is still in
+the window, so any read of it is queued after its write, and the urgent lane runs first.
+
+Every wait is bounded: a transfer or control call not done in time raises `StoreTimeout`, and
+`ended()` tells whether a transfer can still write into the caller's memory (a timed-out one
+may: the caller must not reuse that memory until it has ended).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 from collections import deque
 from concurrent.futures import Future
 
-from ..kvstore import KVStoreError
+from ..kvstore import KVStoreError, StoreTimeout
 
 # Control calls that belong to a write-back.
 URGENT_CALLS = frozenset({"extend"})
+# Control calls whose first argument is a request id: they run on that request's store thread.
+ROUTED_CALLS = frozenset({"extend", "free", "read_summaries"})
+
+
+def transfer_ended(handle) -> bool:
+    """Whether a transfer handle can no longer write into memory: finished, failed or cancelled."""
+    ended = getattr(handle, "ended", None)
+    if ended is not None:
+        return ended()
+    try:
+        return handle.done()
+    except Exception:  # a failed transfer has ended
+        return True
 
 
 class FetchHandle:
-    """The TransferHandle interface (done / wait) over a transfer submitted to the I/O thread."""
+    """The TransferHandle interface (done / wait / ended) over a transfer submitted to an I/O
+    thread; `index`: this read's entry in a `read_many` job, which fails only if this read did."""
 
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, index: int | None = None, underlying: list | None = None):
         self.future = future
-
-    def done(self) -> bool:
-        if not self.future.done():
-            return False
-        self.future.result()  # re-raise a failed transfer here
-        return True
-
-    def wait(self, timeout: float | None = None) -> None:
-        self.future.result(timeout)
-
-
-class ReadOfJob(FetchHandle):
-    """One read of a `read_many` job: done when the job is, failed only if this read failed."""
-
-    def __init__(self, future: Future, index: int):
-        super().__init__(future)
         self.index = index
+        # [the store client's handle], set by the job once it has started the transfer.
+        self.underlying = underlying if underlying is not None else [None]
 
     def done(self) -> bool:
         if not self.future.done():
             return False
-        self._raise_own(self.future.result())
+        self._result(None)  # re-raise a failed transfer here
         return True
 
     def wait(self, timeout: float | None = None) -> None:
-        self._raise_own(self.future.result(timeout))
+        self._result(timeout)
 
-    def _raise_own(self, errors: list) -> None:
-        if errors[self.index] is not None:
-            raise errors[self.index]
+    def ended(self) -> bool:
+        if not self.future.done():
+            return False  # queued or running: it may still write
+        try:
+            self._result(None)
+        except StoreTimeout:
+            pass  # the job stopped waiting for it; the client's transfer may go on
+        except BaseException:
+            return True  # it failed
+        else:
+            return True  # it landed
+        underlying = self.underlying[0]
+        return underlying is None or transfer_ended(underlying)
+
+    def _result(self, timeout: float | None) -> None:
+        try:
+            result = self.future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise StoreTimeout(f"transfer not done after {timeout:.1f}s (its store's I/O thread is held up)") from None
+        except concurrent.futures.CancelledError:
+            raise StoreTimeout("transfer cancelled before it ran") from None
+        if self.index is not None and result[self.index] is not None:
+            raise result[self.index]
 
 
-class IOThreadClient:
-    def __init__(self, client, timeout_s: float = 30.0):
-        self.client = client
-        self.timeout_s = timeout_s
+class _IOThread:
+    """One thread, its urgent and its first-in-first-out lane."""
+
+    def __init__(self, name: str):
         self._urgent: deque = deque()
         self._queued: deque = deque()
         self._wake = threading.Condition()
         self._closed = False
-        self._thread = threading.Thread(target=self._serve, name="kv-io", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
 
-    def _submit(self, fn, urgent: bool = False) -> Future:
+    def submit(self, fn, urgent: bool = False) -> Future:
         future = Future()
         with self._wake:
             if self._closed:
@@ -97,64 +124,116 @@ class IOThreadClient:
             except BaseException as error:  # handed to whoever waits on the future
                 future.set_exception(error)
 
-    def _transfer(self, method: str, *args, urgent: bool = False, **kwargs) -> FetchHandle:
+    def close(self, timeout: float | None = None) -> bool:
+        """Run what is queued, then stop; whether the thread stopped within `timeout`."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+class IOThreadClient:
+    def __init__(self, client, timeout_s: float = 30.0):
+        self.client = client
+        self.timeout_s = timeout_s
+        self._route = getattr(client, "route", None)
+        self._threads: dict[object, _IOThread] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _thread_for(self, request_id: str | None = None) -> _IOThread:
+        key = self._route(request_id) if self._route is not None and request_id is not None else None
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the decode engine's I/O thread is closed")
+            thread = self._threads.get(key)
+            if thread is None:
+                thread = self._threads[key] = _IOThread(f"kv-io-{len(self._threads)}")
+        return thread
+
+    def _transfer(self, method: str, request_id: str, *args, urgent: bool = False, **kwargs) -> FetchHandle:
+        underlying = [None]
+
         def run():
-            getattr(self.client, method)(*args, **kwargs).wait(self.timeout_s)
+            underlying[0] = getattr(self.client, method)(request_id, *args, **kwargs)
+            underlying[0].wait(self.timeout_s)
 
-        return FetchHandle(self._submit(run, urgent))
+        return FetchHandle(self._thread_for(request_id).submit(run, urgent), underlying=underlying)
 
-    def read_blocks(self, *args, **kwargs) -> FetchHandle:
-        return self._transfer("read_blocks", *args, **kwargs)
+    def read_blocks(self, request_id: str, *args, **kwargs) -> FetchHandle:
+        return self._transfer("read_blocks", request_id, *args, **kwargs)
 
-    def read_many(self, reads: list[tuple]) -> list["ReadOfJob"]:
-        """Several `read_blocks(*args)` (e.g. one per request for a layer) as ONE job, with one
-        handle per read: every job hands the GIL to this thread and back, which cost the model
-        thread more than the reads themselves when it was one job per request. The job waits
-        for every read, and a read that fails (its store died) fails only its own handle: the
-        requests beside it in the job read from other stores, and a shared failure ended them
-        all, then broke the worker when it could not confirm their transfers had ended."""
+    def read_many(self, reads: list[tuple]) -> list[FetchHandle]:
+        """Several `read_blocks(*args)` (e.g. one per request for a layer) as one job per store,
+        with one handle per read: every job hands the GIL to a thread and back, which cost the
+        model thread more than the reads themselves when it was one job per request. A job
+        waits for every read, and a read that fails (its store died) fails only its own handle:
+        a shared failure ended every request of the job, then broke the worker when it could
+        not confirm their transfers had ended."""
+        by_thread: dict[int, tuple[_IOThread, list[int]]] = {}
+        for index, args in enumerate(reads):
+            thread = self._thread_for(args[0])
+            by_thread.setdefault(id(thread), (thread, []))[1].append(index)
+        handles: list[FetchHandle | None] = [None] * len(reads)
+        for thread, indices in by_thread.values():
+            underlying = [[None] for _ in indices]  # each read's client handle, set by the job
 
-        def run() -> list[KVStoreError | None]:
-            submitted = []
-            for args in reads:
-                try:
-                    submitted.append(self.client.read_blocks(*args))
-                except KVStoreError as error:
-                    submitted.append(error)
-            errors = []
-            for handle in submitted:
-                if isinstance(handle, KVStoreError):
-                    errors.append(handle)
-                    continue
-                try:
-                    handle.wait(self.timeout_s)
-                    errors.append(None)
-                except KVStoreError as error:
-                    errors.append(error)
-            return errors
+            def run(indices=indices, underlying=underlying) -> list[KVStoreError | None]:
+                errors: list[KVStoreError | None] = []
+                for index, slot in zip(indices, underlying):
+                    try:
+                        slot[0] = self.client.read_blocks(*reads[index])
+                        errors.append(None)
+                    except KVStoreError as error:
+                        errors.append(error)
+                for position, slot in enumerate(underlying):
+                    if errors[position] is None:
+                        try:
+                            slot[0].wait(self.timeout_s)
+                        except KVStoreError as error:
+                            errors[position] = error
+                return errors
 
-        future = self._submit(run)
-        return [ReadOfJob(future, index) for index in range(len(reads))]
+            future = thread.submit(run)
+            for position, index in enumerate(indices):
+                handles[index] = FetchHandle(future, position, underlying[position])
+        return handles
 
-    def write_blocks(self, *args, **kwargs) -> FetchHandle:
-        return self._transfer("write_blocks", *args, urgent=True, **kwargs)
+    def write_blocks(self, request_id: str, *args, **kwargs) -> FetchHandle:
+        return self._transfer("write_blocks", request_id, *args, urgent=True, **kwargs)
+
+    def call_later(self, name: str, *args, **kwargs) -> Future:
+        """Queue a control call without waiting for it (a free that its store may be too slow to
+        answer); its future holds the result or the error."""
+        method = getattr(self.client, name)
+        thread = self._thread_for(args[0] if name in ROUTED_CALLS and args else None)
+        return thread.submit(lambda: method(*args, **kwargs), name in URGENT_CALLS)
 
     def __getattr__(self, name: str):
-        """Control calls (extend, free, read_summaries, register...) run on the I/O thread too,
-        after the transfers queued before them (`extend`: after the write-backs only); the
-        caller waits for their result."""
+        """Control calls (extend, free, read_summaries, register...) run on an I/O thread too
+        (a request's store's, for those naming a request), after the transfers queued before
+        them (`extend`: after the write-backs only); the caller waits for their result, at most
+        the timeout."""
         attribute = getattr(self.client, name)
         if not callable(attribute):
             return attribute
 
         def call(*args, **kwargs):
-            return self._submit(lambda: attribute(*args, **kwargs), name in URGENT_CALLS).result()
+            future = self.call_later(name, *args, **kwargs)
+            try:
+                return future.result(self.timeout_s)
+            except concurrent.futures.TimeoutError:
+                raise StoreTimeout(f"{name!r} not done after {self.timeout_s:.1f}s (its store's I/O thread is "
+                                   "held up)") from None
 
         return call
 
-    def close(self) -> None:
-        """Run what is queued, then stop the thread."""
-        with self._wake:
+    def close(self, timeout: float | None = None) -> None:
+        """Run what is queued, then stop the threads (a thread held up by a store that does not
+        answer is left behind after `timeout`, a daemon)."""
+        with self._lock:
             self._closed = True
-            self._wake.notify()
-        self._thread.join()
+            threads = list(self._threads.values())
+        for thread in threads:
+            thread.close(timeout)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 
-from ..kvstore import KVStoreError, StoreTimeout
+from ..kvstore import KVStoreError
 from .counters import DecodeCounters
 from .working_set import DevicePool, WorkingSet
 
@@ -35,8 +35,6 @@ class LayerTransfers:
             if previous is not None:  # at most one transfer per layer in flight: finish the older one
                 try:
                     previous.wait(self.timeout_s)
-                except StoreTimeout:
-                    raise  # it may still land in these rows: not this request's failure alone
                 except KVStoreError as error:
                     self._failed(ws, error)
                 ws.pending[layer] = None
@@ -63,8 +61,6 @@ class LayerTransfers:
             return True
         try:
             return handle.done()
-        except StoreTimeout:
-            raise
         except KVStoreError as error:
             self._failed(ws, error)
             return False
@@ -72,6 +68,11 @@ class LayerTransfers:
     def await_layer(self, ws: WorkingSet, layer: int, on_demand: bool = False) -> None:
         handle = ws.pending[layer]
         if handle is None:
+            return
+        if ws.failure is not None:
+            # Its store failed it in an earlier layer: its output is thrown away, so no layer
+            # waits for its transfers (every layer would wait out the timeout of one that does
+            # not answer); they stay pending until they end, and its rows with them.
             return
         try:
             if handle.done():
@@ -91,8 +92,6 @@ class LayerTransfers:
                     self.counters.on_demand_waits += 1
                 else:
                     self.counters.prefetch_waits += 1
-        except StoreTimeout:
-            raise  # it may still land in these rows: the step fails and the worker decides
         except KVStoreError as error:
             self._failed(ws, error)
         ws.pending[layer] = None
@@ -100,8 +99,8 @@ class LayerTransfers:
 
     @staticmethod
     def _failed(ws: WorkingSet, error: KVStoreError) -> None:
-        """The transfer has ended without its blocks (a StoreTimeout has not: it is raised): the
-        layer attends on, since the rows are only this request's and the engine throws its
-        output away and ends it after the step."""
+        """The transfer failed or timed out (a timed-out one may still land: the engine keeps the
+        request's rows until it has ended). The layer attends on, since the rows are only this
+        request's, and the engine throws its output away and ends it after the step."""
         if ws.failure is None:
             ws.failure = error

@@ -54,6 +54,7 @@ class DecodeWorker:
         self._closed = False  # shutdown() was called
         self._stopped = False  # the loop has closed the engine and ended
         self._next_keep_alive = 0.0  # monotonic time of the next store TTL refresh
+        self._keep_alive_thread: threading.Thread | None = None
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self._thread.start()
 
@@ -71,6 +72,7 @@ class DecodeWorker:
             **counters,
             "pool_rows": pool.num_rows,
             "pool_rows_used": pool.rows_used,
+            "pool_rows_quarantined": sum(len(rows) for rows, _ in list(self.engine.quarantine)),
             "pool_usage": pool.rows_used / pool.num_rows,
             "running": len(self.engine.running),
             "waiting": len(self.engine.waiting),
@@ -185,15 +187,18 @@ class DecodeWorker:
     def _loop(self) -> None:
         while not self._stopped:
             try:
-                timeout = None if not self.engine.has_unfinished else 0
+                # Idle with rows in quarantine: wake now and then to give them back.
+                timeout = 0 if self.engine.has_unfinished else 0.5 if self.engine.quarantine else None
                 try:
-                    self._apply(self._commands.get(timeout=timeout) if timeout is None else self._commands.get_nowait())
+                    self._apply(self._commands.get_nowait() if timeout == 0 else self._commands.get(timeout=timeout))
                     while True:
                         self._apply(self._commands.get_nowait())
                 except queue.Empty:
                     pass
                 if self._stopped:
                     break
+                if not self.engine.has_unfinished:
+                    self.engine.release_ended_rows()
                 if self.engine.has_unfinished:
                     self._keep_alive_in_stores()
                     for out in self.engine.step():
@@ -215,7 +220,14 @@ class DecodeWorker:
         now = time.monotonic()
         if now < self._next_keep_alive:
             return
+        if self._keep_alive_thread is not None and self._keep_alive_thread.is_alive():
+            return  # the last round still waits for a store that does not answer
         self._next_keep_alive = now + self.config.store_keep_alive_s
+        # Off the decode loop: a store that stopped answering holds this up for its timeout.
+        self._keep_alive_thread = threading.Thread(target=self._keep_alive_round, name="store-keep-alive", daemon=True)
+        self._keep_alive_thread.start()
+
+    def _keep_alive_round(self) -> None:
         lost = self.stores.keep_alive()
         if lost:
             log.warning("%d request(s) had already left their store: %s", len(lost), ", ".join(lost[:8]))
@@ -230,6 +242,9 @@ class DecodeWorker:
         self._consecutive_failures += 1
         try:
             aborted = self.engine.abort_all()
+            # Transfers the step left in flight land in a moment; a store that does not answer
+            # keeps its requests' rows in quarantine, and the loop gives them back later.
+            self.engine.drain_quarantine(1.0)
         except Exception as abort_error:
             log.exception("the decode loop failed (%s) and its requests could not be given back", message)
             self._error = f"{message}; then, aborting its requests: {abort_error}"

@@ -65,7 +65,7 @@ def test_close_frees_running_and_waiting_requests(smollm2_llm, prompts, mode):
     assert engine.pool.allocator.num_free == engine.pool.num_rows
     assert not engine.running and not engine.waiting and not engine.has_unfinished
     assert client.registered == []
-    assert not engine.client._thread.is_alive()  # the I/O thread is stopped
+    assert not any(t._thread.is_alive() for t in engine.client._threads.values())  # the I/O threads are stopped
     engine.close()  # a second close does nothing, and raises nothing
     assert store.stats().num_requests == 0
 

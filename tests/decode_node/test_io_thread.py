@@ -1,5 +1,6 @@
-"""The decode engine's I/O thread: reads and control calls in order, a write-back ahead of the
-reads queued before it, errors handed to whoever waits, and a clean close."""
+"""The decode engine's I/O threads: reads and control calls in order, a write-back ahead of the
+reads queued before it, errors handed to whoever waits, one thread per store so that a store
+that does not answer holds up only its own requests, bounded waits, and a clean close."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import time
 import pytest
 
 from oasiskv.decode_node.io_thread import IOThreadClient
-from oasiskv.kvstore.errors import StoreUnavailable, TransferError
+from oasiskv.kvstore.errors import StoreTimeout, StoreUnavailable, TransferError
 
 
 class _Done:
@@ -71,7 +72,7 @@ def test_a_write_back_overtakes_the_reads_queued_before_it(io):
     queued = io.read_many([("r", 0, 0, "b1", None), ("r", 0, 0, "b2", None)])
     extended = threading.Thread(target=io.extend, args=("r", 48))
     extended.start()
-    while not io._urgent:  # extend is queued (its caller blocks until it has run)
+    while not io._threads[None]._urgent:  # extend is queued (its caller blocks until it has run)
         time.sleep(0.001)
     write = io.write_blocks("r", 0, 0, "w", None)
     later_read = io.read_blocks("r", 0, 0, "b3", None)
@@ -124,6 +125,37 @@ def test_a_read_that_fails_fails_only_its_own_handle_of_the_job(io):
     assert client.calls == ["read b1", "read b2"]
     io.read_blocks("e", 0, 0, "b3", None).wait(10)
     assert client.calls[-1] == "read b3"
+
+
+class RoutingClient(RecordingClient):
+    """Requests 'slow-*' live in one store, the rest in another (as a StoreDirectory routes)."""
+
+    def route(self, request_id):
+        return "slow-store" if request_id.startswith("slow") else "other-store"
+
+
+def test_a_store_that_holds_its_thread_up_holds_up_only_its_own_requests():
+    client = RoutingClient()
+    io = IOThreadClient(client, timeout_s=0.5)
+    try:
+        held = io.read_blocks("slow-1", 0, 0, "gate", None)
+        assert client.started.wait(10)
+        slow, other = io.read_many([("slow-2", 0, 0, "b1", None), ("fast-1", 0, 0, "b2", None)])
+        other.wait(10)  # its store's thread is free
+        assert client.calls == ["read b2"] and other.ended()
+        with pytest.raises(StoreTimeout, match="not done after 0.5s"):
+            slow.wait(0.5)
+        assert not slow.ended() and not held.ended()  # queued or running: they may still write
+        with pytest.raises(StoreTimeout):
+            io.free("slow-3")  # a control call waits no longer than the timeout either
+        client.gate.set()
+        held.wait(10)
+        slow.wait(10)
+        assert held.ended() and slow.ended()
+        assert client.calls == ["read b2", "read gate", "read b1", "free"]
+    finally:
+        client.gate.set()
+        io.close()
 
 
 def test_close_runs_what_is_queued_and_refuses_more():

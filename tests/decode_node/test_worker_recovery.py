@@ -249,3 +249,87 @@ def test_a_store_that_dies_under_the_prefetches_ends_only_its_request(smollm2_ll
         worker.shutdown()
         for store in stores:
             store.stop()
+
+
+def test_a_store_that_stops_answering_holds_up_only_its_own_request(smollm2_llm, tmp_path):
+    """The store of one of two long requests stops answering (its process frozen: a node under
+    memory pressure, a network partition) while both decode in one batch. Its request ends with
+    a StoreTimeout after fetch_timeout_s; the other, on another store, decodes to the end; the
+    worker stays healthy. The frozen store's transfers may still write into the failed request's
+    pool rows, so the rows wait in quarantine until those have ended (here: the store answers
+    again), and the request's store memory is freed then too. Before, the decode step raised,
+    every request in it ended, and the worker, unable to confirm the transfers had ended, broke
+    for good; every layer of a step also waited out the timeout again."""
+    import json.decoder
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from oasiskv.kvstore import KVStoreServer
+
+    config = {"kv_pool_gb": 0.05, "budget_tokens": 64, "max_replace_fraction": 1.0, "prefetch_rank_fraction": 1.0,
+              "fetch_timeout_s": 2.0}
+    frozen = subprocess.Popen([sys.executable, "-m", "oasiskv.kvstore", "--port", "0", "--transport", "tcp",
+                               "--capacity-gb", "0.0625", "--no-prefault"], stdout=subprocess.PIPE, text=True)
+    surviving = KVStoreServer(capacity_bytes=64 * 2**20, prefault=False, transport="tcp")
+    surviving.start()
+    worker = None
+    try:
+        ready = frozen.stdout.readline()
+        assert ready.startswith("READY "), ready
+        frozen_address = ready.split()[1]
+        worker = DecodeWorker("smollm2-135m", config, transport="tcp")
+        params = {**PARAMS, "max_tokens": 96}
+        source = smollm2_llm.encode(open(json.decoder.__file__).read())
+        addresses = [surviving.address, frozen_address]
+        results = [Prefiller(smollm2_llm.model, connect(address)).prefill(
+            f"long-{i}", source[i * 50 : i * 50 + 600], SamplingParams(**params),
+            budget_blocks=worker.config.budget_blocks, excluded_head_blocks=worker.config.sink_blocks,
+            excluded_tail_blocks=worker.config.window_blocks) for i, address in enumerate(addresses)]
+
+        async def run():
+            streams = [worker.generate(r, params, address) for r, address in zip(results, addresses)]
+            for stream in streams:
+                await anext(stream)
+            frozen.send_signal(signal.SIGSTOP)
+            outcomes = []
+            for stream in streams:
+                items = []
+                try:
+                    async for item in stream:
+                        items.append(item)
+                except RuntimeError as error:
+                    outcomes.append((items, error))
+                else:
+                    outcomes.append((items, None))
+            return outcomes
+
+        started = time.monotonic()
+        (items, error), (_, frozen_error) = asyncio.run(run())
+        assert error is None and items[-1]["finished"] and items[-1]["num_tokens"] == params["max_tokens"]
+        assert frozen_error is not None and "a block read from its store failed: StoreTimeout" in str(frozen_error)
+        # One timeout, not one per layer (30 layers x 2 s).
+        assert time.monotonic() - started < 40
+        stats = worker.stats()
+        assert stats["healthy"], stats["error"]
+        assert stats["step_failures"] == 0 and stats["running"] == 0
+        assert stats["pool_rows_quarantined"] > 0 and stats["pool_rows_used"] == stats["pool_rows_quarantined"]
+        assert surviving.store.stats().num_requests == 0
+
+        frozen.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while worker.stats()["pool_rows_used"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert worker.stats()["pool_rows_used"] == 0 and worker.stats()["pool_rows_quarantined"] == 0
+        store = connect(frozen_address)
+        while store.stats().num_requests and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert store.stats().num_requests == 0
+    finally:
+        frozen.send_signal(signal.SIGCONT)
+        if worker is not None:
+            worker.shutdown()
+        surviving.stop()
+        frozen.terminate()
+        frozen.wait(30)
