@@ -37,6 +37,7 @@ class LayerTransfers:
                     previous.wait(self.timeout_s)
                 except KVStoreError as error:
                     self._failed(ws, error)
+                    continue  # it stays pending: one that timed out may still land in these rows
                 ws.pending[layer] = None
                 ws.in_flight[layer] = False
             if ws.failure is not None:
@@ -94,6 +95,7 @@ class LayerTransfers:
                     self.counters.prefetch_waits += 1
         except KVStoreError as error:
             self._failed(ws, error)
+            return  # it stays pending: one that timed out may still land in these rows
         ws.pending[layer] = None
         ws.in_flight[layer] = False
 
