@@ -392,10 +392,12 @@ class DecodeEngine:
             self.running.remove(req)
         if req.ws is not None:
             handles = [h for h in req.ws.pending if h is not None] + [w.handle for w in req.write_backs]
+            # One timeout for them all: a store that stopped answering would hold each up for it.
+            deadline = time.monotonic() + self.config.fetch_timeout_s
             try:
                 for handle in handles if wait else ():
                     try:
-                        handle.wait(self.config.fetch_timeout_s)
+                        handle.wait(max(0.0, deadline - time.monotonic()))
                     except KVStoreError as error:
                         # Its output is whole; raising here failed the step with the request
                         # already out of the batch, so its stream never ended.
