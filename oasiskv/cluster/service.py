@@ -47,6 +47,8 @@ class ClusterService:
         self._poller: asyncio.Task | None = None
         self._last_bytes: dict[str, tuple[float, float]] = {}
         self.restart_actor = _restart_ray_actor  # a unit test of the poll puts a stand-in here
+        for slot in handles.decode:  # each worker's series from 0, so a first restart is an increase
+            self.metrics.worker_restarts.labels("decode", slot.name)
 
     # -- background health and stats -----------------------------------------------------
     def start_polling(self, interval_s: float = 2.0) -> None:
