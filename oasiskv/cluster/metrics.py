@@ -74,6 +74,8 @@ class _PolledCollector:
             yield family
         gauges = {
             "oasiskv_decode_kv_pool_usage_ratio": ("device KV pool rows in use / rows", "pool_usage"),
+            "oasiskv_decode_kv_pool_quarantined_ratio": ("device KV pool rows held for transfers that have not ended "
+                                                         "(a store that does not answer) / rows", "pool_quarantined"),
             "oasiskv_prediction_recall": ("share of the current query's top-K blocks that were resident", "prediction_recall"),
             "oasiskv_draft_acceptance_rate": ("accepted / proposed draft tokens", "acceptance_rate"),
         }

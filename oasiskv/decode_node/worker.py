@@ -68,11 +68,13 @@ class DecodeWorker:
     def stats(self) -> dict:
         counters = self.engine.counters.snapshot()
         pool = self.engine.pool
+        quarantined = sum(len(rows) for rows, _ in list(self.engine.quarantine))  # in use, held for transfers
         return {
             **counters,
             "pool_rows": pool.num_rows,
             "pool_rows_used": pool.rows_used,
-            "pool_rows_quarantined": sum(len(rows) for rows, _ in list(self.engine.quarantine)),
+            "pool_rows_quarantined": quarantined,
+            "pool_quarantined": quarantined / pool.num_rows,
             "pool_usage": pool.rows_used / pool.num_rows,
             "running": len(self.engine.running),
             "waiting": len(self.engine.waiting),

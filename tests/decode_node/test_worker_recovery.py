@@ -315,6 +315,7 @@ def test_a_store_that_stops_answering_holds_up_only_its_own_request(smollm2_llm,
         assert stats["healthy"], stats["error"]
         assert stats["step_failures"] == 0 and stats["running"] == 0
         assert stats["pool_rows_quarantined"] > 0 and stats["pool_rows_used"] == stats["pool_rows_quarantined"]
+        assert stats["pool_quarantined"] == stats["pool_rows_quarantined"] / stats["pool_rows"]
         assert surviving.store.stats().num_requests == 0
 
         frozen.send_signal(signal.SIGCONT)

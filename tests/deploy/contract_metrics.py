@@ -29,6 +29,7 @@ HISTOGRAMS = ["oasiskv_request_ttft_seconds", "oasiskv_request_itl_seconds",
               "oasiskv_request_tpot_seconds", "oasiskv_request_e2e_seconds"]
 GAUGES = [
     "oasiskv_queue_length", "oasiskv_running_requests", "oasiskv_decode_kv_pool_usage_ratio",
+    "oasiskv_decode_kv_pool_quarantined_ratio",
     "oasiskv_store_used_bytes", "oasiskv_store_capacity_bytes", "oasiskv_prediction_recall",
     "oasiskv_draft_acceptance_rate", "oasiskv_nixl_bytes_per_second", "oasiskv_worker_healthy",
 ]
@@ -57,6 +58,8 @@ class ContractExporter:
         self.queue = Gauge("oasiskv_queue_length", "Queued requests", registry=r)
         self.running = Gauge("oasiskv_running_requests", "Running requests", registry=r)
         self.pool = Gauge("oasiskv_decode_kv_pool_usage_ratio", "KV pool usage", ["worker"], registry=r)
+        self.quarantined = Gauge("oasiskv_decode_kv_pool_quarantined_ratio", "KV pool quarantined", ["worker"],
+                                 registry=r)
         self.store_used = Gauge("oasiskv_store_used_bytes", "Store bytes used", ["store"], registry=r)
         self.store_capacity = Gauge("oasiskv_store_capacity_bytes", "Store capacity", ["store"], registry=r)
         self.recall = Gauge("oasiskv_prediction_recall", "Recall", ["worker"], registry=r)
@@ -76,6 +79,7 @@ class ContractExporter:
             for counter in self.per_worker.values():
                 counter.labels(worker).inc(10)
             self.pool.labels(worker).set(0.5)
+            self.quarantined.labels(worker).set(0.01)
             self.recall.labels(worker).set(0.98)
             self.acceptance.labels(worker).set(0.7)
             self.nixl.labels(worker).set(2e9)
