@@ -391,11 +391,10 @@ class DecodeEngine:
         if req in self.running:
             self.running.remove(req)
         if req.ws is not None:
-            handles = [h for h in req.ws.pending if h is not None] + [w.handle for w in req.write_backs]
             # One timeout for them all: a store that stopped answering would hold each up for it.
             deadline = time.monotonic() + self.config.fetch_timeout_s
             try:
-                for handle in handles if wait else ():
+                for handle in self._transfers_of(req) if wait else ():
                     try:
                         handle.wait(max(0.0, deadline - time.monotonic()))
                     except KVStoreError as error:
@@ -403,10 +402,19 @@ class DecodeEngine:
                         # already out of the batch, so its stream never ended.
                         log.warning("request %s: a transfer failed as it finished: %s", req.request_id, error)
             finally:
-                req.write_backs.clear()
-                self._give_back_rows(req.request_id, req.ws.rows.tolist(), handles)
-                req.ws = None
+                self._release_working_set(req)
         self._free_in_store(req.request_id, wait=not isinstance(req.failure, StoreTimeout))
+
+    @staticmethod
+    def _transfers_of(req: DecodeRequest) -> list:
+        """Every transfer into the request's rows still tracked: prefetches and write-backs."""
+        return [h for h in req.ws.pending if h is not None] + [w.handle for w in req.write_backs]
+
+    def _release_working_set(self, req: DecodeRequest) -> None:
+        """The request's rows go back (through quarantine while a transfer may still land)."""
+        self._give_back_rows(req.request_id, req.ws.rows.tolist(), self._transfers_of(req))
+        req.write_backs.clear()
+        req.ws = None
 
     def _give_back_rows(self, request_id: str, rows: list[int], transfers: list) -> None:
         """Rows go back to the pool at once, or, while a transfer may still write into them,
@@ -512,10 +520,7 @@ class DecodeEngine:
             if req.ws is not None:
                 # Rows go back once no transfer can land in them: a step that raised midway may
                 # have left some in flight, and a store that stopped answering holds its own.
-                self._give_back_rows(req.request_id, req.ws.rows.tolist(),
-                                     [h for h in req.ws.pending if h is not None] + [w.handle for w in req.write_backs])
-                req.write_backs.clear()
-                req.ws = None
+                self._release_working_set(req)
             attempt(self._free_in_store, req.request_id)
         if errors:
             raise RuntimeError(f"DecodeEngine.abort_all: {len(errors)} error(s), the first: {errors[0]!r}") from errors[0]

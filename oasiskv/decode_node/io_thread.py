@@ -79,14 +79,19 @@ class FetchHandle:
         return underlying is None or transfer_ended(underlying)
 
     def _result(self, timeout: float | None) -> None:
-        try:
-            result = self.future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise StoreTimeout(f"transfer not done after {timeout:.1f}s (its store's I/O thread is held up)") from None
-        except concurrent.futures.CancelledError:
-            raise StoreTimeout("transfer cancelled before it ran") from None
+        result = _result_within(self.future, timeout, "transfer")
         if self.index is not None and result[self.index] is not None:
             raise result[self.index]
+
+
+def _result_within(future: Future, timeout: float | None, what: str):
+    """The future's result; `StoreTimeout` when it is not done within `timeout`."""
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        raise StoreTimeout(f"{what} not done after {timeout:.1f}s (its store's I/O thread is held up)") from None
+    except concurrent.futures.CancelledError:
+        raise StoreTimeout(f"{what} cancelled before it ran") from None
 
 
 class _IOThread:
@@ -124,13 +129,12 @@ class _IOThread:
             except BaseException as error:  # handed to whoever waits on the future
                 future.set_exception(error)
 
-    def close(self, timeout: float | None = None) -> bool:
-        """Run what is queued, then stop; whether the thread stopped within `timeout`."""
+    def close(self, timeout: float | None = None) -> None:
+        """Run what is queued, then stop (waiting at most `timeout`)."""
         with self._wake:
             self._closed = True
             self._wake.notify()
         self._thread.join(timeout)
-        return not self._thread.is_alive()
 
 
 class IOThreadClient:
@@ -220,12 +224,7 @@ class IOThreadClient:
             return attribute
 
         def call(*args, **kwargs):
-            future = self.call_later(name, *args, **kwargs)
-            try:
-                return future.result(self.timeout_s)
-            except concurrent.futures.TimeoutError:
-                raise StoreTimeout(f"{name!r} not done after {self.timeout_s:.1f}s (its store's I/O thread is "
-                                   "held up)") from None
+            return _result_within(self.call_later(name, *args, **kwargs), self.timeout_s, repr(name))
 
         return call
 

@@ -19,7 +19,6 @@ class StoreDirectory:
         self.timeout = timeout
         self._clients: dict[str, object] = {}
         self._by_request: dict[str, object] = {}
-        self._address_of: dict[str, str] = {}
         self._buffers = []
 
     def client_for(self, address: str):
@@ -33,12 +32,12 @@ class StoreDirectory:
 
     def bind(self, request_id: str, address: str) -> None:
         self._by_request[request_id] = self.client_for(address)
-        self._address_of[request_id] = address
 
-    def route(self, request_id: str) -> str | None:
-        """The store a request is bound to (None: none), so that the engine's I/O runs on one
-        thread per store and a store that stops answering holds up only its own requests."""
-        return self._address_of.get(request_id)
+    def route(self, request_id: str):
+        """The client of the store a request is bound to (None: none), so that the engine's I/O
+        runs on one thread per store and a store that stops answering holds up only its own
+        requests."""
+        return self._by_request.get(request_id)
 
     def _client(self, request_id: str):
         try:
@@ -79,7 +78,6 @@ class StoreDirectory:
         return unknown
 
     def free(self, request_id) -> None:
-        self._address_of.pop(request_id, None)
         client = self._by_request.pop(request_id, None)
         if client is not None:
             client.free(request_id)

@@ -200,8 +200,8 @@ class DecodeWorker:
                 if self._stopped:
                     break
                 if not self.engine.has_unfinished:
-                    self.engine.release_ended_rows()
-                if self.engine.has_unfinished:
+                    self.engine.release_ended_rows()  # a step does it first thing otherwise
+                else:
                     self._keep_alive_in_stores()
                     for out in self.engine.step():
                         if out.error is not None:

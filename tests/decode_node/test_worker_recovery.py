@@ -39,13 +39,31 @@ def failing_steps(worker, count: int):
 
 
 async def collect(worker, result, store):
+    return await drain(worker.generate(result, PARAMS, store))
+
+
+async def drain(stream):
+    """(the items of a stream, the error it ended with or None)."""
     items = []
     try:
-        async for item in worker.generate(result, PARAMS, store):
+        async for item in stream:
             items.append(item)
     except RuntimeError as error:
         return items, error
     return items, None
+
+
+def prefill_long_requests(smollm2_llm, worker, addresses, params):
+    """One 600-token slice of json/decoder.py per store address, prefilled into that store with
+    the worker's working-set geometry, so every decode step prefetches blocks."""
+    import json.decoder
+
+    source = smollm2_llm.encode(open(json.decoder.__file__).read())
+    config = worker.config
+    return [Prefiller(smollm2_llm.model, connect(address)).prefill(
+        f"long-{i}", source[i * 50 : i * 50 + 600], SamplingParams(**params), budget_blocks=config.budget_blocks,
+        excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks)
+        for i, address in enumerate(addresses)]
 
 
 def prefill(smollm2_llm, store, request_id, text):
@@ -201,8 +219,6 @@ def test_a_store_that_dies_under_the_prefetches_ends_only_its_request(smollm2_ll
     blocks for both in one I/O job. One store stops: its request ends with the failed read, the
     other decodes to the end, and the worker stays healthy. Before, the shared job's failure
     failed the step, and the worker, unable to confirm the transfers had ended, broke for good."""
-    import json.decoder
-
     from oasiskv.kvstore import KVStoreServer
 
     config = {"kv_pool_gb": 0.05, "budget_tokens": 64, "max_replace_fraction": 1.0, "prefetch_rank_fraction": 1.0}
@@ -213,11 +229,7 @@ def test_a_store_that_dies_under_the_prefetches_ends_only_its_request(smollm2_ll
     surviving, dying = stores
     try:
         params = {**PARAMS, "max_tokens": 96}
-        source = smollm2_llm.encode(open(json.decoder.__file__).read())
-        results = [Prefiller(smollm2_llm.model, connect(store.address)).prefill(
-            f"long-{i}", source[i * 50 : i * 50 + 600], SamplingParams(**params),
-            budget_blocks=worker.config.budget_blocks, excluded_head_blocks=worker.config.sink_blocks,
-            excluded_tail_blocks=worker.config.window_blocks) for i, store in enumerate(stores)]
+        results = prefill_long_requests(smollm2_llm, worker, [store.address for store in stores], params)
 
         async def run():
             streams = [worker.generate(r, params, s.address) for r, s in zip(results, stores)]
@@ -225,17 +237,7 @@ def test_a_store_that_dies_under_the_prefetches_ends_only_its_request(smollm2_ll
                 await anext(stream)
             fetched = worker.engine.counters.blocks_fetched
             dying.stop()
-            outcomes = []
-            for stream in streams:
-                items = []
-                try:
-                    async for item in stream:
-                        items.append(item)
-                except RuntimeError as error:
-                    outcomes.append((items, error))
-                else:
-                    outcomes.append((items, None))
-            return fetched, outcomes
+            return fetched, [await drain(stream) for stream in streams]
 
         fetched, ((items, error), (_, dying_error)) = asyncio.run(run())
         assert fetched > 0, "no block was prefetched before the store stopped: nothing tested"
@@ -260,7 +262,6 @@ def test_a_store_that_stops_answering_holds_up_only_its_own_request(smollm2_llm,
     again), and the request's store memory is freed then too. Before, the decode step raised,
     every request in it ended, and the worker, unable to confirm the transfers had ended, broke
     for good; every layer of a step also waited out the timeout again."""
-    import json.decoder
     import signal
     import subprocess
     import sys
@@ -281,29 +282,15 @@ def test_a_store_that_stops_answering_holds_up_only_its_own_request(smollm2_llm,
         frozen_address = ready.split()[1]
         worker = DecodeWorker("smollm2-135m", config, transport="tcp")
         params = {**PARAMS, "max_tokens": 96}
-        source = smollm2_llm.encode(open(json.decoder.__file__).read())
         addresses = [surviving.address, frozen_address]
-        results = [Prefiller(smollm2_llm.model, connect(address)).prefill(
-            f"long-{i}", source[i * 50 : i * 50 + 600], SamplingParams(**params),
-            budget_blocks=worker.config.budget_blocks, excluded_head_blocks=worker.config.sink_blocks,
-            excluded_tail_blocks=worker.config.window_blocks) for i, address in enumerate(addresses)]
+        results = prefill_long_requests(smollm2_llm, worker, addresses, params)
 
         async def run():
             streams = [worker.generate(r, params, address) for r, address in zip(results, addresses)]
             for stream in streams:
                 await anext(stream)
             frozen.send_signal(signal.SIGSTOP)
-            outcomes = []
-            for stream in streams:
-                items = []
-                try:
-                    async for item in stream:
-                        items.append(item)
-                except RuntimeError as error:
-                    outcomes.append((items, error))
-                else:
-                    outcomes.append((items, None))
-            return outcomes
+            return [await drain(stream) for stream in streams]
 
         started = time.monotonic()
         (items, error), (_, frozen_error) = asyncio.run(run())
