@@ -204,6 +204,7 @@ class Timers:
         engine = self.engine
         backend = engine.backend
         self._wrap(engine, "_admit", "admission")
+        self._wrap(engine, "_join_admitted", "admission")  # the first working sets landing (waited for when idle)
         self._wrap(engine, "_propose", "drafting")
         self._wrap(engine, "_write_back", "write_back")
         self._wrap(backend, "_track_recall", "recall_counter")

@@ -1,7 +1,9 @@
 """The decode engine: continuous batching of requests whose prompt KV lives in a store.
 
 A request arrives as a `PrefillResult` (first token, store descriptor, predicted first working
-set). It is admitted when its working-set rows fit the device pool; then every step verifies
+set). It is admitted when its working-set rows fit the device pool: its first working set is
+read from its store while the running batch decodes, and it joins the batch once that has
+landed. Then every step verifies
 `1 + k` rows per request (the last token and k drafts) over its working set, emits the accepted
 tokens, writes completed blocks back to the store (sparse modes) and finally frees everything
 in the pool and the store.
@@ -9,9 +11,11 @@ in the pool and the store.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,13 +31,18 @@ from ..models.transformer import DecoderModel
 from .attention import SparseAttention, StepRequest
 from .config import DecodeConfig
 from .counters import DecodeCounters
-from .io_thread import IOThreadClient, transfer_ended
+from .io_thread import FetchHandle, IOThreadClient, transfer_ended
 from .lookahead import PlanRequest, plan_replacements_many
 from .speculative import Draft, Drafter, NgramDrafter, verify
 from .summary_pages import SummaryPages
 from .working_set import DevicePool, RowPlan, WorkingSet, plan_rows
 
 log = logging.getLogger("oasiskv.decode")
+
+# With no request running there is nothing to decode while admissions read: wait this long for
+# them all to land, so that requests that arrived together start as one batch, before joining
+# those that have (one store that does not answer holds the others up no longer than this).
+IDLE_ADMISSION_WAIT_S = 0.2
 
 
 @dataclass
@@ -42,6 +51,24 @@ class WriteBack:
 
     handle: object
     rows: set[int]
+
+
+@dataclass
+class Admission:
+    """A request's first reads, in flight on its store's I/O thread while the batch decodes:
+    its first working set, and the block summaries (sparse modes)."""
+
+    blocks: FetchHandle
+    summaries: Future | None
+    num_units: int
+    deadline: float  # monotonic; past it the request ends with a StoreTimeout
+
+    def futures(self) -> list[Future]:
+        return [self.blocks.future] + ([self.summaries] if self.summaries is not None else [])
+
+    def landed(self) -> bool:
+        """Both reads have ended (landed or failed)."""
+        return all(future.done() for future in self.futures())
 
 
 @dataclass
@@ -59,6 +86,7 @@ class DecodeRequest:
     finish_reason: str | None = None
     write_backs: list[WriteBack] = field(default_factory=list)
     failure: BaseException | None = None  # what its store failed it with (`_fail`)
+    admission: Admission | None = None  # while its first reads are in flight
     mode: str = "lookahead"
     summary_kind: str = DEFAULT_SUMMARY_KIND  # how the store summarized the prompt (its KVLayout); write-back matches it
     # A prefill that predicted no working set (vLLM prefill has no queries to give) makes the
@@ -119,11 +147,13 @@ class DecodeEngine:
         self.drafter = drafter if drafter is not None else NgramDrafter()
         self.eos_token_ids = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
         self.waiting: deque[DecodeRequest] = deque()
+        self.admitting: list[DecodeRequest] = []  # given their rows; their first reads in flight
         self.running: list[DecodeRequest] = []
         # (pool rows, transfers that may still write into them): rows of requests that ended
         # while a transfer of theirs had not (its store stopped answering); they go back to the
         # pool once every such transfer has ended.
         self.quarantine: list[tuple[list[int], list]] = []
+        self._queued_frees: set[Future] = set()  # store frees not waited for (`_free_in_store`)
         self._steps = 0
 
     # -- admission -----------------------------------------------------------------------
@@ -139,7 +169,7 @@ class DecodeEngine:
             raise ValueError(f"mode must be dense, sparse-current or lookahead, got {mode!r}")
         if budget_tokens is not None and (budget_tokens < self.config.block_size or budget_tokens % self.config.block_size):
             raise ValueError(f"budget_tokens must be a positive multiple of {self.config.block_size}, got {budget_tokens}")
-        if any(r.request_id == prefill.request_id for r in (*self.waiting, *self.running)):
+        if any(r.request_id == prefill.request_id for r in (*self.waiting, *self.admitting, *self.running)):
             # Both would free the same store request when they finish, and the other would fail mid-step.
             raise ValueError(f"request {prefill.request_id!r} is already in this engine")
         context = self.model.config.max_position_embeddings
@@ -167,8 +197,9 @@ class DecodeEngine:
         return req.request_id
 
     def _admit_waiting(self) -> list[DecodeOutput]:
+        """Start the admission of the queued requests that fit, in order."""
         finished = []
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and len(self.running) + len(self.admitting) < self.config.max_num_seqs:
             req = self.waiting[0]
             if req.finish_reason:
                 self.waiting.popleft()
@@ -188,21 +219,22 @@ class DecodeEngine:
             except BaseException:
                 self.waiting.appendleft(req)  # where abort_all finds it; it was in no list and its stream hung
                 raise
-            self.running.append(req)
+            self.admitting.append(req)
         return finished
 
     def _admit(self, req: DecodeRequest, plan: RowPlan) -> None:
-        """Give the request its pool rows and fetch its first working set and summaries; on
-        failure the rows go back (once the read into them has ended)."""
+        """Give the request its pool rows and start reading its first working set and summaries
+        (`_join_admitted` waits for them); on failure the rows go back (once the read into them
+        has ended)."""
         rows = torch.tensor(self.pool.allocator.allocate(plan.total))
         transfers: list = []
         try:
-            self._fill_working_set(req, plan, rows, transfers)
+            self._start_first_reads(req, plan, rows, transfers)
         except BaseException:
             self._give_back_rows(req.request_id, rows.tolist(), transfers)
             raise
 
-    def _fill_working_set(self, req: DecodeRequest, plan: RowPlan, rows: torch.Tensor, transfers: list) -> None:
+    def _start_first_reads(self, req: DecodeRequest, plan: RowPlan, rows: torch.Tensor, transfers: list) -> None:
         layout = self.layout
         ws = WorkingSet(req.request_id, rows, plan, layout.num_layers, layout.num_kv_heads, layout.block_size)
         num_blocks = layout.num_blocks(req.num_kv)
@@ -243,27 +275,67 @@ class DecodeEngine:
         slots = self.pool.unit_ids(rows[torch.from_numpy(row_index)], torch.from_numpy(layers), torch.from_numpy(heads))
         transfers.append(self.client.read_blocks(req.request_id, layers, heads, blocks, self.pool.tensor,
                                                  slots.numpy()))
-        transfers[-1].wait(self.config.fetch_timeout_s)
-        self.counters.admission_bytes_fetched += int(blocks.size) * layout.unit_bytes
+        summaries = (self.client.call_later("read_summaries", req.request_id, dtype=self.config.summary_read_dtype)
+                     if plan.budget else None)
         req.summaries = SummaryPages(self.pool, ws.summary_rows)
-        if plan.budget:
-            summaries = self.client.read_summaries(req.request_id, dtype=self.config.summary_read_dtype)
+        req.admission = Admission(transfers[-1], summaries, int(blocks.size),
+                                  time.monotonic() + self.config.fetch_timeout_s)
+        req.ws = ws
+
+    def _join_admitted(self, wait_s: float = 0.0) -> list[DecodeOutput]:
+        """The admitted requests whose first reads have landed join the batch; one whose reads
+        failed, or have not landed within the fetch timeout, ends alone. `wait_s`: how long to
+        wait for every admission in flight to land first."""
+        if not self.admitting:
+            return []
+        if wait_s > 0:
+            now = time.monotonic()
+            earliest = min(req.admission.deadline for req in self.admitting)
+            concurrent.futures.wait([f for req in self.admitting for f in req.admission.futures()],
+                                    timeout=max(0.0, min(wait_s, earliest - now)))
+        outputs = []
+        now = time.monotonic()
+        for req in list(self.admitting):
+            try:
+                if req.admission.landed():
+                    self._join(req)
+                elif now >= req.admission.deadline:
+                    raise StoreTimeout(f"its first working set was not read within {self.config.fetch_timeout_s:.1f}s "
+                                       "(its store does not answer)")
+            except KVStoreError as error:  # its store failed it; the batch has not been touched
+                outputs.append(self._fail(req, "not admitted", error))
+        return outputs
+
+    def _join(self, req: DecodeRequest) -> None:
+        admission = req.admission
+        admission.blocks.wait(0)  # raises what the read failed with
+        if admission.summaries is not None:
+            summaries = admission.summaries.result()
             self.counters.summary_bytes_fetched += summaries.nbytes  # values, or codes with their ranges
             req.summaries.write(0, summaries)
-        req.ws = ws
+        self.counters.admission_bytes_fetched += admission.num_units * self.layout.unit_bytes
+        req.admission = None
+        self.admitting.remove(req)
+        self.running.append(req)
 
     # -- one step ------------------------------------------------------------------------
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.admitting or self.running)
 
     @torch.inference_mode()
     def step(self) -> list[DecodeOutput]:
+        """One verification pass over the running batch; the requests whose admission reads
+        have landed join it first. With none running it may return without a pass (admissions
+        still reading, rows still in quarantine): call it again while `has_unfinished`."""
         self.release_ended_rows()
         outputs = self._admit_waiting()
+        outputs += self._join_admitted(0.0 if self.running else IDLE_ADMISSION_WAIT_S)
         if not self.running:
-            if self.waiting:
-                raise RuntimeError("no request fits the device KV pool although it is empty")
+            if self.waiting and not self.admitting:
+                if not self.quarantine:
+                    raise RuntimeError("no request fits the device KV pool although it is empty")
+                self.settle(IDLE_ADMISSION_WAIT_S)  # rows a store still holds; the queue waits
             return outputs
         k = self.config.num_draft_tokens
         reqs = list(self.running)  # _fail below takes a request out of self.running
@@ -273,7 +345,7 @@ class DecodeEngine:
             pos = torch.arange(req.num_kv, req.num_kv + len(tokens))
             try:
                 self._settle_write_backs(req, pos)
-            except KVStoreError as error:  # a block of its own never reached its store
+            except KVStoreError as error:  # a block of its own never reached its store, or it was not extended
                 outputs.append(self._fail(req, "its store failed it", error))
                 continue
             batch.append((req, draft))
@@ -303,11 +375,7 @@ class DecodeEngine:
             old_kv = req.num_kv
             req.num_kv += len(emitted)  # the last token and the accepted drafts now have K/V
             if req.mode != "dense":
-                try:
-                    self._write_back(req, old_kv)
-                except KVStoreError as error:  # what it wrote would not be in its store
-                    outputs.append(self._fail(req, "its store failed it", error))
-                    continue
+                self._write_back(req, old_kv)  # a store that refuses it fails the request at a later step
             outputs.append(self._emit(req, emitted))
         self.counters.steps += 1
         return outputs
@@ -348,7 +416,6 @@ class DecodeEngine:
         done = range(old_kv // bs, req.num_kv // bs)
         if not done:
             return
-        self.client.extend(req.request_id, req.num_kv)
         ws = req.ws
         rows = torch.tensor([int(ws.rows[ws.ring_index(b)]) for b in done])
         layer_ids = torch.arange(layout.num_layers)
@@ -357,9 +424,10 @@ class DecodeEngine:
         block_ids = torch.tensor(list(done))[:, None, None].expand_as(units)
         layers = layer_ids[None, :, None].expand_as(units)
         heads = head_ids[None, None, :].expand_as(units)
-        handle = self.client.write_blocks(
-            req.request_id, layers.reshape(-1).numpy(), heads.reshape(-1).numpy(), block_ids.reshape(-1).numpy(),
-            self.pool.tensor, units.reshape(-1).numpy(),
+        # The store extends the request first; a refusal fails the handle (`_settle_write_backs`).
+        handle = self.client.write_back(
+            req.request_id, req.num_kv, layers.reshape(-1).numpy(), heads.reshape(-1).numpy(),
+            block_ids.reshape(-1).numpy(), self.pool.tensor, units.reshape(-1).numpy(),
         )
         req.write_backs.append(WriteBack(handle, set(rows.tolist())))
         self.counters.blocks_written_back += len(done)
@@ -382,19 +450,22 @@ class DecodeEngine:
             self._finish(req, reason)
         return DecodeOutput(req.request_id, new, list(req.output_ids), req.text, reason is not None, reason)
 
-    def _finish(self, req: DecodeRequest, reason: str, wait: bool = True) -> None:
+    def _finish(self, req: DecodeRequest, reason: str, wait_for_transfers: bool = True,
+                wait_for_free: bool = True) -> None:
         """Take the request out: its drafter state, its rows (once no transfer can still land in
-        them) and its store memory. `wait`: wait for its transfers first (False: a request its
-        store failed, whose transfers may be held up for as long as the store does not answer)."""
+        them) and its store memory. Not waiting is for a request whose store may not answer (it
+        failed the request, or the caller gave up on it): its rows wait in quarantine while a
+        transfer into them has not ended, and its free is queued behind its transfers."""
         req.finish_reason = reason
         self.drafter.release(req.request_id)
-        if req in self.running:
-            self.running.remove(req)
+        for batch in (self.running, self.admitting):
+            if req in batch:
+                batch.remove(req)
         if req.ws is not None:
             # One timeout for them all: a store that stopped answering would hold each up for it.
             deadline = time.monotonic() + self.config.fetch_timeout_s
             try:
-                for handle in self._transfers_of(req) if wait else ():
+                for handle in self._transfers_of(req) if wait_for_transfers else ():
                     try:
                         handle.wait(max(0.0, deadline - time.monotonic()))
                     except KVStoreError as error:
@@ -403,12 +474,14 @@ class DecodeEngine:
                         log.warning("request %s: a transfer failed as it finished: %s", req.request_id, error)
             finally:
                 self._release_working_set(req)
-        self._free_in_store(req.request_id, wait=not isinstance(req.failure, StoreTimeout))
+        self._free_in_store(req.request_id, wait=wait_for_free)
 
     @staticmethod
     def _transfers_of(req: DecodeRequest) -> list:
-        """Every transfer into the request's rows still tracked: prefetches and write-backs."""
-        return [h for h in req.ws.pending if h is not None] + [w.handle for w in req.write_backs]
+        """Every transfer into the request's rows still tracked: its admission read, prefetches
+        and write-backs."""
+        first = [req.admission.blocks] if req.admission is not None else []
+        return first + [h for h in req.ws.pending if h is not None] + [w.handle for w in req.write_backs]
 
     def _release_working_set(self, req: DecodeRequest) -> None:
         """The request's rows go back (through quarantine while a transfer may still land)."""
@@ -440,14 +513,16 @@ class DecodeEngine:
                 self.pool.allocator.free(rows)
         self.quarantine = held
 
-    def drain_quarantine(self, timeout_s: float) -> bool:
-        """Wait, at most `timeout_s`, for the quarantined rows to come back; whether they all did."""
+    def settle(self, timeout_s: float) -> bool:
+        """Wait, at most `timeout_s`, for the quarantined rows to come back and the queued store
+        frees to be answered; whether they all were."""
         deadline = time.monotonic() + timeout_s
         self.release_ended_rows()
         while self.quarantine and time.monotonic() < deadline:
             time.sleep(0.01)
             self.release_ended_rows()
-        return not self.quarantine
+        concurrent.futures.wait(list(self._queued_frees), timeout=max(0.0, deadline - time.monotonic()))
+        return not (self.quarantine or self._queued_frees)
 
     def _fail(self, req: DecodeRequest, what: str, error: BaseException) -> DecodeOutput:
         """End one request that its store failed (a read, an extend or a write-back it needs),
@@ -455,7 +530,7 @@ class DecodeEngine:
         error instead of a finish."""
         log.warning("request %s: %s: %s", req.request_id, what, error)
         req.failure = error
-        self._finish(req, "error", wait=False)
+        self._finish(req, "error", wait_for_transfers=False, wait_for_free=not isinstance(error, StoreTimeout))
         return DecodeOutput(req.request_id, [], list(req.output_ids), req.text, True, None,
                             error=f"{what}: {type(error).__name__}: {error}")
 
@@ -464,11 +539,17 @@ class DecodeEngine:
         died took the memory with it (Ray restarts it empty), and one that cannot be told now
         must not keep the engine from giving back its own rows and going on: a free that raised
         here failed the step, and every request in it, and left the worker broken. `wait`:
-        False for a store that has already timed out on the request: the free is queued on its
-        I/O thread, and the decode steps do not wait for a store that may not answer."""
+        False to queue the free on its store's I/O thread (after the request's transfers) and go
+        on: the decode steps do not wait for a store that may not answer (`settle` does)."""
         if not wait:
-            self.client.call_later("free", request_id).add_done_callback(
-                lambda future: self._count_free(request_id, future.exception()))
+            future = self.client.call_later("free", request_id)
+            self._queued_frees.add(future)
+
+            def answered(future: Future) -> None:
+                self._count_free(request_id, future.exception())
+                self._queued_frees.discard(future)
+
+            future.add_done_callback(answered)
             return
         try:
             self.client.free(request_id)
@@ -483,14 +564,17 @@ class DecodeEngine:
             log.error("request %s: freeing its store memory raised %r", request_id, error)
 
     def abort(self, request_id: str) -> None:
+        """End a request its caller gave up on, without waiting for its store: a caller often
+        gives up because that store stopped answering, and waiting held up every other request
+        for the timeout twice over (its transfers, then its free)."""
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
-                self._free_in_store(request_id)
+                self._free_in_store(request_id, wait=False)
                 return
-        for req in self.running:
+        for req in (*self.admitting, *self.running):
             if req.request_id == request_id:
-                self._finish(req, "abort")
+                self._finish(req, "abort", wait_for_transfers=False, wait_for_free=False)
                 return
 
     def abort_all(self) -> list[str]:
@@ -512,8 +596,8 @@ class DecodeEngine:
             req.finish_reason = req.finish_reason or "abort"
             aborted.append(req.request_id)
             attempt(self._free_in_store, req.request_id)
-        while self.running:
-            req = self.running.pop()
+        while self.running or self.admitting:
+            req = (self.running or self.admitting).pop()
             req.finish_reason = "abort"
             aborted.append(req.request_id)
             attempt(self.drafter.release, req.request_id)
@@ -538,7 +622,8 @@ class DecodeEngine:
             self.abort_all()
         except Exception as error:
             errors.append(error)
-        if not self.drain_quarantine(self.config.fetch_timeout_s):
+        self.settle(self.config.fetch_timeout_s)
+        if self.quarantine:
             # Unregistered memory that a transfer then writes into is worse than a leak at exit.
             log.warning("closing with %d request(s)' transfers not ended (a store does not answer); the pool "
                         "stays registered", len(self.quarantine))
@@ -552,12 +637,12 @@ class DecodeEngine:
             raise RuntimeError(f"DecodeEngine.close: {len(errors)} error(s), the first: {errors[0]!r}") from errors[0]
 
     def run_to_completion(self) -> dict[str, DecodeOutput]:
-        """Step until every request has finished; the rows of those that failed are back too
-        (unless a store holds their transfers up past the fetch timeout)."""
+        """Step until every request has finished; the rows and store memory of those that failed
+        are back too (unless a store holds them up past the fetch timeout)."""
         final = {}
         while self.has_unfinished:
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
-        self.drain_quarantine(self.config.fetch_timeout_s)
+        self.settle(self.config.fetch_timeout_s)
         return final

@@ -7,12 +7,14 @@ thread, so its client is never used from two threads at once; a client that rout
 several stores (`route(request_id)`, a `StoreDirectory`) gets a thread per store, so that one
 store that stops answering holds up the transfers of its own requests only.
 
-Two lanes per thread. Reads and control calls run first in first out. A write-back
-(`write_blocks`, and the `extend` before it) goes in an urgent lane that the thread drains
-first: the model thread waits for it (`extend` at once, the write before its ring row is
-reused), while prefetches may queue for a whole step behind a slow link. Overtaking queued
-reads is safe: they read blocks before the local window, and the block written back is still in
-the window, so any read of it is queued after its write, and the urgent lane runs first.
+Two lanes per thread. Reads and control calls run first in first out. A write-back (`extend`
+the request, then `write_blocks`, as one job) goes in an urgent lane that the thread drains
+first: the model thread waits for it before the ring row it reads from is reused, while
+prefetches may queue for a whole step behind a slow link. Overtaking queued reads is safe: they
+read blocks before the local window, and the block written back is still in the window, so any
+read of it is queued after its write, and the urgent lane runs first. The model thread never
+waits for the `extend` itself: a store that does not answer held up every request's step for
+the timeout, at each block a request completed.
 
 Every wait is bounded: a transfer or control call not done in time raises `StoreTimeout`, and
 `ended()` tells whether a transfer can still write into the caller's memory (a timed-out one
@@ -28,8 +30,6 @@ from concurrent.futures import Future
 
 from ..kvstore import KVStoreError, StoreTimeout
 
-# Control calls that belong to a write-back.
-URGENT_CALLS = frozenset({"extend"})
 # Control calls whose first argument is a request id: they run on that request's store thread.
 ROUTED_CALLS = frozenset({"extend", "free", "read_summaries"})
 
@@ -156,17 +156,19 @@ class IOThreadClient:
                 thread = self._threads[key] = _IOThread(f"kv-io-{len(self._threads)}")
         return thread
 
-    def _transfer(self, method: str, request_id: str, *args, urgent: bool = False, **kwargs) -> FetchHandle:
+    def _transfer(self, request_id: str, start, urgent: bool = False) -> FetchHandle:
+        """A job on the request's store thread: `start()` starts the client's transfer, which
+        the job then waits for."""
         underlying = [None]
 
         def run():
-            underlying[0] = getattr(self.client, method)(request_id, *args, **kwargs)
+            underlying[0] = start()
             underlying[0].wait(self.timeout_s)
 
         return FetchHandle(self._thread_for(request_id).submit(run, urgent), underlying=underlying)
 
     def read_blocks(self, request_id: str, *args, **kwargs) -> FetchHandle:
-        return self._transfer("read_blocks", request_id, *args, **kwargs)
+        return self._transfer(request_id, lambda: self.client.read_blocks(request_id, *args, **kwargs))
 
     def read_many(self, reads: list[tuple]) -> list[FetchHandle]:
         """Several `read_blocks(*args)` (e.g. one per request for a layer) as one job per store,
@@ -204,21 +206,27 @@ class IOThreadClient:
                 handles[index] = FetchHandle(future, position, underlying[position])
         return handles
 
-    def write_blocks(self, request_id: str, *args, **kwargs) -> FetchHandle:
-        return self._transfer("write_blocks", request_id, *args, urgent=True, **kwargs)
+    def write_back(self, request_id: str, num_tokens: int, *args, **kwargs) -> FetchHandle:
+        """`extend(request_id, num_tokens)`, then `write_blocks(request_id, *args)`, in the
+        urgent lane; a refused extend fails the handle, and nothing is written."""
+
+        def start():
+            self.client.extend(request_id, num_tokens)
+            return self.client.write_blocks(request_id, *args, **kwargs)
+
+        return self._transfer(request_id, start, urgent=True)
 
     def call_later(self, name: str, *args, **kwargs) -> Future:
         """Queue a control call without waiting for it (a free that its store may be too slow to
         answer); its future holds the result or the error."""
         method = getattr(self.client, name)
         thread = self._thread_for(args[0] if name in ROUTED_CALLS and args else None)
-        return thread.submit(lambda: method(*args, **kwargs), name in URGENT_CALLS)
+        return thread.submit(lambda: method(*args, **kwargs))
 
     def __getattr__(self, name: str):
         """Control calls (extend, free, read_summaries, register...) run on an I/O thread too
         (a request's store's, for those naming a request), after the transfers queued before
-        them (`extend`: after the write-backs only); the caller waits for their result, at most
-        the timeout."""
+        them; the caller waits for their result, at most the timeout."""
         attribute = getattr(self.client, name)
         if not callable(attribute):
             return attribute

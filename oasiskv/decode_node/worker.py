@@ -77,6 +77,7 @@ class DecodeWorker:
             "pool_quarantined": quarantined / pool.num_rows,
             "pool_usage": pool.rows_used / pool.num_rows,
             "running": len(self.engine.running),
+            "admitting": len(self.engine.admitting),  # their first working set still being read
             "waiting": len(self.engine.waiting),
             "healthy": self._error is None and self._thread.is_alive(),
             "error": self._error,
@@ -246,7 +247,7 @@ class DecodeWorker:
             aborted = self.engine.abort_all()
             # Transfers the step left in flight land in a moment; a store that does not answer
             # keeps its requests' rows in quarantine, and the loop gives them back later.
-            self.engine.drain_quarantine(1.0)
+            self.engine.settle(1.0)
         except Exception as abort_error:
             log.exception("the decode loop failed (%s) and its requests could not be given back", message)
             self._error = f"{message}; then, aborting its requests: {abort_error}"

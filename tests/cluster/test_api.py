@@ -199,7 +199,8 @@ def test_per_request_mode_extension(client, smollm2_llm):
 
 
 def _wait_until_freed(server, deadline_s: float = 30.0):
-    """The decode worker's and the store's stats once neither holds a request (or at the deadline)."""
+    """The decode worker's and the store's stats once neither holds a request nor pool rows (an
+    aborted request's rows wait for its transfers to end), or at the deadline."""
     import ray
 
     decode = server.service.handles.decode[0].handle
@@ -207,7 +208,8 @@ def _wait_until_freed(server, deadline_s: float = 30.0):
     deadline = time.monotonic() + deadline_s
     while True:  # polled at least once, even with no time left
         stats, store_stats = ray.get(decode.stats.remote()), ray.get(store.stats.remote())
-        freed = stats["running"] == 0 and stats["waiting"] == 0 and store_stats["num_requests"] == 0
+        freed = (stats["running"] == stats["waiting"] == stats["pool_rows_used"] == 0
+                 and store_stats["num_requests"] == 0)
         if freed or time.monotonic() >= deadline:
             return stats, store_stats
         time.sleep(0.2)

@@ -203,6 +203,7 @@ def test_write_back_summarizes_as_the_prompt_was(smollm2_llm, store, prompts, ki
         assert torch.equal(written, stored)
     finally:
         engine.abort(request_id)
+    assert engine.settle(10)  # an abort does not wait for the store's free
     assert store.stats().num_requests == 0
 
 
@@ -317,7 +318,7 @@ def test_a_request_that_ends_at_its_first_token_never_takes_pool_rows(smollm2_ll
 
 
 def test_aborting_a_waiting_request_frees_its_store_memory(smollm2_llm, store, prompts):
-    """The pool holds one request; the second waits, and aborting it gives its KV back at once."""
+    """The pool holds one request; the second waits, and aborting it gives its KV back."""
     client = connect(store)
     config = DecodeConfig(mode="dense", kv_pool_gb=0.25)
     engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config)
@@ -330,8 +331,10 @@ def test_aborting_a_waiting_request_frees_its_store_memory(smollm2_llm, store, p
     assert [r.request_id for r in engine.running] == ["abort-waiting-0"]
     assert [r.request_id for r in engine.waiting] == ["abort-waiting-1"]
     engine.abort("abort-waiting-1")
+    assert engine.settle(10)  # an abort does not wait for the store's free
     assert not engine.waiting and store.stats().num_requests == 1
     engine.abort("abort-waiting-0")
+    assert engine.settle(10)
     assert not engine.running and store.stats().num_requests == 0
     engine.close()
 

@@ -5,12 +5,11 @@ that does not answer holds up only its own requests, bounded waits, and a clean 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
 from oasiskv.decode_node.io_thread import IOThreadClient
-from oasiskv.kvstore.errors import StoreTimeout, StoreUnavailable, TransferError
+from oasiskv.kvstore.errors import StoreFull, StoreTimeout, StoreUnavailable, TransferError
 
 
 class _Done:
@@ -50,6 +49,8 @@ class RecordingClient:
         return _Done()
 
     def extend(self, request_id, length):
+        if getattr(self, "refuse_extend", False):
+            raise StoreFull(f"no room to extend {request_id} to {length} tokens")
         self.calls.append(f"extend {length}")
 
     def free(self, request_id):
@@ -70,22 +71,28 @@ def test_a_write_back_overtakes_the_reads_queued_before_it(io):
     first = io.read_blocks("r", 0, 0, "gate", None)
     assert client.started.wait(10)  # the I/O thread is busy with the first read
     queued = io.read_many([("r", 0, 0, "b1", None), ("r", 0, 0, "b2", None)])
-    extended = threading.Thread(target=io.extend, args=("r", 48))
-    extended.start()
-    while not io._threads[None]._urgent:  # extend is queued (its caller blocks until it has run)
-        time.sleep(0.001)
-    write = io.write_blocks("r", 0, 0, "w", None)
+    write = io.write_back("r", 48, 0, 0, "w", None)  # returns at once: the caller does not wait for the extend
     later_read = io.read_blocks("r", 0, 0, "b3", None)
+    assert not write.done()
     client.gate.set()
     for handle in (first, *queued, write, later_read):
         handle.wait(10)
-    extended.join(10)
-    # The read in progress finishes; then the urgent lane (extend, write, in their order); then
-    # the reads in theirs.
+    # The read in progress finishes; then the write-back (extend, then write); then the reads in
+    # their order.
     assert client.calls == ["read gate", "extend 48", "write w", "read b1", "read b2", "read b3"]
 
 
-def test_control_calls_other_than_extend_keep_their_place_behind_reads(io):
+def test_a_refused_extend_fails_its_write_back_and_writes_nothing(io):
+    io, client = io
+    client.refuse_extend = True
+    write = io.write_back("r", 48, 0, 0, "w", None)
+    with pytest.raises(StoreFull, match="no room to extend"):
+        write.wait(10)
+    assert write.ended()
+    assert "write w" not in client.calls
+
+
+def test_control_calls_keep_their_place_behind_reads(io):
     io, client = io
     io.read_blocks("r", 0, 0, "gate", None)
     assert client.started.wait(10)

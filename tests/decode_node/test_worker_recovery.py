@@ -253,34 +253,60 @@ def test_a_store_that_dies_under_the_prefetches_ends_only_its_request(smollm2_ll
             store.stop()
 
 
-def test_a_store_that_stops_answering_holds_up_only_its_own_request(smollm2_llm, tmp_path):
-    """The store of one of two long requests stops answering (its process frozen: a node under
-    memory pressure, a network partition) while both decode in one batch. Its request ends with
-    a StoreTimeout after fetch_timeout_s; the other, on another store, decodes to the end; the
-    worker stays healthy. The frozen store's transfers may still write into the failed request's
-    pool rows, so the rows wait in quarantine until those have ended (here: the store answers
-    again), and the request's store memory is freed then too. Before, the decode step raised,
-    every request in it ended, and the worker, unable to confirm the transfers had ended, broke
-    for good; every layer of a step also waited out the timeout again."""
+@pytest.fixture
+def freezable_store():
+    """A TCP store in a process of its own, which a test can freeze (SIGSTOP: a node under memory
+    pressure, a network partition) and thaw; its address and process."""
     import signal
     import subprocess
     import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "oasiskv.kvstore", "--port", "0", "--transport", "tcp",
+                                "--capacity-gb", "0.0625", "--no-prefault"], stdout=subprocess.PIPE, text=True)
+    try:
+        ready = process.stdout.readline()
+        assert ready.startswith("READY "), ready
+        yield ready.split()[1], process
+    finally:
+        process.send_signal(signal.SIGCONT)
+        process.terminate()
+        process.wait(30)
+
+
+def wait_for_rows_and_store(worker, address, timeout_s=30):
+    """Once a frozen store answers again: every pool row comes back, and the store holds nothing."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while worker.stats()["pool_rows_used"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert worker.stats()["pool_rows_used"] == 0 and worker.stats()["pool_rows_quarantined"] == 0
+    store = connect(address)
+    while store.stats().num_requests and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert store.stats().num_requests == 0
+
+
+def test_a_store_that_stops_answering_holds_up_only_its_own_request(smollm2_llm, freezable_store):
+    """The store of one of two long requests stops answering while both decode in one batch.
+    Its request ends with a StoreTimeout after fetch_timeout_s; the other, on another store,
+    decodes to the end; the worker stays healthy. The frozen store's transfers may still write
+    into the failed request's pool rows, so the rows wait in quarantine until those have ended
+    (here: the store answers again), and the request's store memory is freed then too. Before,
+    the decode step raised, every request in it ended, and the worker, unable to confirm the
+    transfers had ended, broke for good; every layer of a step also waited out the timeout again."""
+    import signal
     import time
 
     from oasiskv.kvstore import KVStoreServer
 
+    frozen_address, frozen = freezable_store
     config = {"kv_pool_gb": 0.05, "budget_tokens": 64, "max_replace_fraction": 1.0, "prefetch_rank_fraction": 1.0,
               "fetch_timeout_s": 2.0}
-    frozen = subprocess.Popen([sys.executable, "-m", "oasiskv.kvstore", "--port", "0", "--transport", "tcp",
-                               "--capacity-gb", "0.0625", "--no-prefault"], stdout=subprocess.PIPE, text=True)
     surviving = KVStoreServer(capacity_bytes=64 * 2**20, prefault=False, transport="tcp")
     surviving.start()
-    worker = None
+    worker = DecodeWorker("smollm2-135m", config, transport="tcp")
     try:
-        ready = frozen.stdout.readline()
-        assert ready.startswith("READY "), ready
-        frozen_address = ready.split()[1]
-        worker = DecodeWorker("smollm2-135m", config, transport="tcp")
         params = {**PARAMS, "max_tokens": 96}
         addresses = [surviving.address, frozen_address]
         results = prefill_long_requests(smollm2_llm, worker, addresses, params)
@@ -306,18 +332,60 @@ def test_a_store_that_stops_answering_holds_up_only_its_own_request(smollm2_llm,
         assert surviving.store.stats().num_requests == 0
 
         frozen.send_signal(signal.SIGCONT)
-        deadline = time.monotonic() + 30
-        while worker.stats()["pool_rows_used"] and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert worker.stats()["pool_rows_used"] == 0 and worker.stats()["pool_rows_quarantined"] == 0
-        store = connect(frozen_address)
-        while store.stats().num_requests and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert store.stats().num_requests == 0
+        wait_for_rows_and_store(worker, frozen_address)
     finally:
-        frozen.send_signal(signal.SIGCONT)
-        if worker is not None:
-            worker.shutdown()
+        worker.shutdown()
         surviving.stop()
-        frozen.terminate()
-        frozen.wait(30)
+
+
+def test_a_request_admitted_from_a_store_that_stops_answering_does_not_hold_up_the_batch(
+        smollm2_llm, freezable_store):
+    """A request arrives for a store that has stopped answering while another request decodes
+    from a healthy store. Its first working set is read on that store's I/O thread while the
+    batch decodes: the running request decodes to the end before the new one ends with a
+    StoreTimeout. Before, admission waited for the read on the decode loop, so every running
+    request stalled for fetch_timeout_s (30 s by default) once per request sent to that store."""
+    import signal
+
+    from oasiskv.kvstore import KVStoreServer
+
+    frozen_address, frozen = freezable_store
+    config = {"kv_pool_gb": 0.05, "budget_tokens": 64, "fetch_timeout_s": 15.0}
+    surviving = KVStoreServer(capacity_bytes=64 * 2**20, prefault=False, transport="tcp")
+    surviving.start()
+    worker = DecodeWorker("smollm2-135m", config, transport="tcp")
+    try:
+        params = {**PARAMS, "max_tokens": 64}
+        running, late, earlier = prefill_long_requests(
+            smollm2_llm, worker, [surviving.address, frozen_address, frozen_address], params)
+        ended: list[str] = []
+
+        async def run():
+            # The frozen store served this worker before: its client is connected.
+            assert (await drain(worker.generate(earlier, {**params, "max_tokens": 4}, frozen_address)))[1] is None
+            stream = worker.generate(running, params, surviving.address)
+            await anext(stream)
+            frozen.send_signal(signal.SIGSTOP)
+
+            async def watch(name, stream):
+                outcome = await drain(stream)
+                ended.append(name)
+                return outcome
+
+            return await asyncio.gather(watch("running", stream),
+                                        watch("late", worker.generate(late, params, frozen_address)))
+
+        (items, error), (_, late_error) = asyncio.run(run())
+        assert error is None and items[-1]["finished"] and items[-1]["num_tokens"] == params["max_tokens"]
+        assert late_error is not None and "not admitted: StoreTimeout" in str(late_error)
+        assert ended == ["running", "late"]
+        stats = worker.stats()
+        assert stats["healthy"], stats["error"]
+        assert stats["step_failures"] == 0 and stats["running"] == stats["admitting"] == 0
+        assert surviving.store.stats().num_requests == 0
+
+        frozen.send_signal(signal.SIGCONT)
+        wait_for_rows_and_store(worker, frozen_address)
+    finally:
+        worker.shutdown()
+        surviving.stop()
