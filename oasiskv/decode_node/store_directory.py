@@ -7,6 +7,7 @@ the router chose, so the worker binds the request to that store's client on arri
 from __future__ import annotations
 
 import logging
+import threading
 
 from ..kvstore import KVStoreError, connect
 
@@ -20,14 +21,21 @@ class StoreDirectory:
         self._clients: dict[str, object] = {}
         self._by_request: dict[str, object] = {}
         self._buffers = []
+        self._connecting = threading.Lock()
 
     def client_for(self, address: str):
+        """The client of the store at `address`, connected on first use. Safe from several
+        threads (one connects at a time): the decode worker connects off its decode loop, since
+        a store that does not answer keeps a connect waiting for the timeout."""
         client = self._clients.get(address)
         if client is None:
-            client = connect(address, transport=self.transport, timeout=self.timeout)
-            for buffer in self._buffers:
-                client.register(buffer)
-            self._clients[address] = client
+            with self._connecting:
+                client = self._clients.get(address)
+                if client is None:
+                    client = connect(address, transport=self.transport, timeout=self.timeout)
+                    for buffer in self._buffers:
+                        client.register(buffer)
+                    self._clients[address] = client
         return client
 
     def bind(self, request_id: str, address: str) -> None:

@@ -42,7 +42,7 @@ class DecodeWorker:
         torch_dtype = getattr(torch, dtype)
         self.model = load_model_dir(model_dir, dtype=torch_dtype, device=self.config.device)
         self.tokenizer = load_tokenizer(model_dir)
-        self.stores = StoreDirectory(transport)
+        self.stores = StoreDirectory(transport, timeout=self.config.fetch_timeout_s)
         drafter = build_drafter(self.config, self.model, self.tokenizer, torch_dtype)
         self.engine = DecodeEngine(self.model, self.tokenizer, self.stores, self.config, drafter=drafter)
         self._commands: queue.Queue = queue.Queue()
@@ -112,6 +112,10 @@ class DecodeWorker:
         if self._closed:
             raise RuntimeError("decode worker is shut down")
         loop = asyncio.get_running_loop()
+        # A store this worker has not used yet is connected to here, off the decode loop: one
+        # that does not answer holds up only this request (for the timeout), not every request
+        # decoding meanwhile.
+        await loop.run_in_executor(None, self.stores.client_for, store_address)
         outputs: asyncio.Queue = asyncio.Queue()
         request_id = prefill.request_id
         self._streams[request_id] = (loop, outputs)

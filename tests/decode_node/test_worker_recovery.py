@@ -338,54 +338,75 @@ def test_a_store_that_stops_answering_holds_up_only_its_own_request(smollm2_llm,
         surviving.stop()
 
 
-def test_a_request_admitted_from_a_store_that_stops_answering_does_not_hold_up_the_batch(
-        smollm2_llm, freezable_store):
-    """A request arrives for a store that has stopped answering while another request decodes
-    from a healthy store. Its first working set is read on that store's I/O thread while the
-    batch decodes: the running request decodes to the end before the new one ends with a
-    StoreTimeout. Before, admission waited for the read on the decode loop, so every running
-    request stalled for fetch_timeout_s (30 s by default) once per request sent to that store."""
+def decode_beside_a_late_request(smollm2_llm, frozen_address, frozen, contacted_before: bool):
+    """A request decodes from a healthy store while the frozen store's process stops; then a
+    request for the frozen store arrives. Returns the running request's stream
+    (items, error), the late one's error, the order in which the two ended, and the worker's
+    stats; once the frozen store answers again, every pool row and the store memory of the
+    requests the worker took are back.
+    `contacted_before`: the worker served a short request from the frozen store first, so it
+    has a client for it."""
     import signal
 
     from oasiskv.kvstore import KVStoreServer
 
-    frozen_address, frozen = freezable_store
     config = {"kv_pool_gb": 0.05, "budget_tokens": 64, "fetch_timeout_s": 15.0}
     surviving = KVStoreServer(capacity_bytes=64 * 2**20, prefault=False, transport="tcp")
     surviving.start()
     worker = DecodeWorker("smollm2-135m", config, transport="tcp")
     try:
         params = {**PARAMS, "max_tokens": 64}
-        running, late, earlier = prefill_long_requests(
-            smollm2_llm, worker, [surviving.address, frozen_address, frozen_address], params)
+        running, late, *earlier = prefill_long_requests(
+            smollm2_llm, worker, [surviving.address, frozen_address] + [frozen_address] * contacted_before, params)
         ended: list[str] = []
 
+        async def watch(name, stream):
+            try:
+                outcome = await drain(stream)
+            except Exception as error:  # generate raises before its first item when it cannot connect
+                outcome = [], error
+            ended.append(name)
+            return outcome
+
         async def run():
-            # The frozen store served this worker before: its client is connected.
-            assert (await drain(worker.generate(earlier, {**params, "max_tokens": 4}, frozen_address)))[1] is None
+            if contacted_before:
+                assert (await drain(worker.generate(earlier[0], {**params, "max_tokens": 4}, frozen_address)))[1] is None
             stream = worker.generate(running, params, surviving.address)
             await anext(stream)
             frozen.send_signal(signal.SIGSTOP)
-
-            async def watch(name, stream):
-                outcome = await drain(stream)
-                ended.append(name)
-                return outcome
-
             return await asyncio.gather(watch("running", stream),
                                         watch("late", worker.generate(late, params, frozen_address)))
 
         (items, error), (_, late_error) = asyncio.run(run())
-        assert error is None and items[-1]["finished"] and items[-1]["num_tokens"] == params["max_tokens"]
-        assert late_error is not None and "not admitted: StoreTimeout" in str(late_error)
-        assert ended == ["running", "late"]
         stats = worker.stats()
-        assert stats["healthy"], stats["error"]
-        assert stats["step_failures"] == 0 and stats["running"] == stats["admitting"] == 0
         assert surviving.store.stats().num_requests == 0
-
         frozen.send_signal(signal.SIGCONT)
-        wait_for_rows_and_store(worker, frozen_address)
+        if contacted_before:
+            wait_for_rows_and_store(worker, frozen_address)
+        # else the late request never reached the worker, which neither took rows for it nor holds
+        # its store memory (the API frees it through the store)
+        return (items, error), late_error, ended, stats
     finally:
         worker.shutdown()
         surviving.stop()
+
+
+@pytest.mark.parametrize("contacted_before, late_error_text", [
+    (True, "not admitted: StoreTimeout"),  # its first working set is read off the decode loop
+    (False, "did not answer 'ping'"),  # the worker connects to the store off the decode loop
+], ids=["admission", "first-contact"])
+def test_a_request_for_a_store_that_stops_answering_does_not_hold_up_the_batch(
+        smollm2_llm, freezable_store, contacted_before, late_error_text):
+    """A request arrives for a store that has stopped answering while another request decodes
+    from a healthy store. Its reads (its first working set; and first, for a store the worker
+    has not used yet, the connect) wait on threads of their own: the running request decodes to
+    the end before the new one fails with the timeout. Before, the decode loop waited for them,
+    so every running request stalled for the timeout (30 s by default) once per request sent to
+    that store."""
+    (items, error), late_error, ended, stats = decode_beside_a_late_request(
+        smollm2_llm, *freezable_store, contacted_before=contacted_before)
+    assert error is None and items[-1]["finished"] and items[-1]["num_tokens"] == 64
+    assert late_error is not None and late_error_text in str(late_error)
+    assert ended == ["running", "late"]
+    assert stats["healthy"], stats["error"]
+    assert stats["step_failures"] == 0 and stats["running"] == stats["admitting"] == stats["waiting"] == 0
