@@ -88,7 +88,7 @@ def one_cpu_thread():
 
 class SparseAttention:
     def __init__(self, pool: DevicePool, client, sliding_window, scale: float, max_replace_fraction: float, miss_policy: str,
-                 counters: DecodeCounters, fetch_timeout_s: float, recall_sample_steps: int = 1,
+                 counters: DecodeCounters, recall_sample_steps: int = 1,
                  use_triton: bool = False, topup_blocks: int = 0, prefetch_rank_fraction: float = 0.25,
                  layer_group: int = 1):
         self.pool = pool
@@ -96,7 +96,7 @@ class SparseAttention:
         self.scale = scale
         self.max_replace_fraction = max_replace_fraction
         self.counters = counters
-        self.transfers = LayerTransfers(pool, client, counters, miss_policy, fetch_timeout_s)
+        self.transfers = LayerTransfers(pool, client, counters, miss_policy)
         self.recall_sample_steps = recall_sample_steps
         self.use_triton = use_triton
         self.topup_blocks = topup_blocks

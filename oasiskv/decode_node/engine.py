@@ -39,10 +39,10 @@ from .working_set import DevicePool, RowPlan, WorkingSet, plan_rows
 
 log = logging.getLogger("oasiskv.decode")
 
-# With no request running there is nothing to decode while admissions read: wait this long for
-# them all to land, so that requests that arrived together start as one batch, before joining
-# those that have (one store that does not answer holds the others up no longer than this).
-IDLE_ADMISSION_WAIT_S = 0.2
+# How long a step with nothing to decode waits for the store (admissions' reads, write-backs,
+# rows in quarantine) before it returns. Admissions: requests that arrived together start as
+# one batch, and one store that does not answer holds the others up no longer than this.
+IDLE_WAIT_S = 0.2
 
 
 @dataclass
@@ -140,9 +140,8 @@ class DecodeEngine:
         mc = model.config
         self.backend = SparseAttention(
             self.pool, self.client, mc.sliding_window, mc.softmax_scale, self.config.max_replace_fraction,
-            self.config.miss_policy, self.counters, self.config.fetch_timeout_s,
-            self.config.recall_sample_steps, self.config.uses_triton_attention, self.config.lookahead_topup_blocks,
-            self.config.prefetch_rank_fraction, self.config.lookahead_layer_group,
+            self.config.miss_policy, self.counters, self.config.recall_sample_steps, self.config.uses_triton_attention,
+            self.config.lookahead_topup_blocks, self.config.prefetch_rank_fraction, self.config.lookahead_layer_group,
         )
         self.drafter = drafter if drafter is not None else NgramDrafter()
         self.eos_token_ids = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
@@ -210,12 +209,7 @@ class DecodeEngine:
                 break
             self.waiting.popleft()
             try:
-                self._admit(req, req.plan)
-            except KVStoreError as error:
-                # This request's store failed it (gone, timed out, or it expired the request):
-                # it alone ends; the running requests have not been touched yet.
-                finished.append(self._fail(req, "not admitted", error))
-                continue
+                self._admit(req, req.plan)  # starts its reads; a store that fails them ends it in _join_admitted
             except BaseException:
                 self.waiting.appendleft(req)  # where abort_all finds it; it was in no list and its stream hung
                 raise
@@ -330,24 +324,27 @@ class DecodeEngine:
         still reading, rows still in quarantine): call it again while `has_unfinished`."""
         self.release_ended_rows()
         outputs = self._admit_waiting()
-        outputs += self._join_admitted(0.0 if self.running else IDLE_ADMISSION_WAIT_S)
+        outputs += self._join_admitted(0.0 if self.running else IDLE_WAIT_S)
         if not self.running:
             if self.waiting and not self.admitting:
                 if not self.quarantine:
                     raise RuntimeError("no request fits the device KV pool although it is empty")
-                self.settle(IDLE_ADMISSION_WAIT_S)  # rows a store still holds; the queue waits
+                self.settle(IDLE_WAIT_S)  # rows a store still holds; the queue waits
             return outputs
         k = self.config.num_draft_tokens
-        reqs = list(self.running)  # _fail below takes a request out of self.running
+        reqs, held = [], []
+        for req in list(self.running):  # _fail below takes a request out of self.running
+            try:
+                (reqs if self._write_backs_settled(req, req.num_kv, req.num_kv + k) else held).append(req)
+            except KVStoreError as error:  # a block of its own never reached its store, or it was not extended
+                outputs.append(self._fail(req, "its store failed it", error))
+        if not reqs:
+            self._wait_for_write_backs(held)
+            return outputs
         ids, positions, step_reqs, batch = [], [], [], []
         for req, draft in zip(reqs, self._propose(reqs, k)):
             tokens = [req.output_ids[-1]] + draft.tokens
             pos = torch.arange(req.num_kv, req.num_kv + len(tokens))
-            try:
-                self._settle_write_backs(req, pos)
-            except KVStoreError as error:  # a block of its own never reached its store, or it was not extended
-                outputs.append(self._fail(req, "its store failed it", error))
-                continue
             batch.append((req, draft))
             ids.extend(tokens)
             positions.append(pos)
@@ -392,22 +389,39 @@ class DecodeEngine:
         drafts = self.drafter.propose([r.request_id for r in reqs], [r.history for r in reqs], k, [r.params for r in reqs])
         return [Draft(d.tokens[:b], None if d.probs is None else d.probs[:b]) for d, b in zip(drafts, budgets)]
 
-    def _settle_write_backs(self, req: DecodeRequest, positions: torch.Tensor) -> None:
-        """Wait only for the write-backs whose ring rows this step writes into (a ring row comes
-        round again a window later); forget those that have landed. Waiting for every write-back
-        at the next step blocked the model behind a slow link's queued prefetches."""
+    def _write_backs_settled(self, req: DecodeRequest, first: int, last: int) -> bool:
+        """Whether this step may write positions first..last into the request's ring rows: the
+        write-backs that read from those rows (a ring row comes round a window later) have landed.
+        One that has not holds the request out of this step, while the batch decodes on, until it
+        lands or its deadline passes (`StoreTimeout`); a failed one raises its error. Landed ones
+        are forgotten. Waiting for them here held up every request of the batch, for the timeout
+        when the store had stopped answering."""
         if not req.write_backs:
-            return
+            return True
         bs, ws = self.layout.block_size, req.ws
-        written = {int(ws.rows[ws.ring_index(block)])
-                   for block in range(int(positions[0]) // bs, int(positions[-1]) // bs + 1)}
-        pending = []
+        written = {int(ws.rows[ws.ring_index(block)]) for block in range(first // bs, last // bs + 1)}
+        pending, settled = [], True
         for write_back in req.write_backs:
             if write_back.rows & written:
-                write_back.handle.wait(self.config.fetch_timeout_s)
+                if not write_back.handle.done() and time.monotonic() < write_back.handle.deadline:
+                    pending.append(write_back)
+                    settled = False
+                    continue
+                write_back.handle.wait_due()  # it has landed, or this raises
             elif not write_back.handle.done():
                 pending.append(write_back)
         req.write_backs = pending
+        return settled
+
+    def _wait_for_write_backs(self, held: list[DecodeRequest]) -> None:
+        """Every running request is held out by a write-back: wait a little for one to land
+        rather than spin."""
+        handles = [w.handle for req in held for w in req.write_backs]
+        if handles:
+            earliest = min(handle.deadline for handle in handles)
+            timeout = max(0.0, min(IDLE_WAIT_S, earliest - time.monotonic()))
+            concurrent.futures.wait([handle.future for handle in handles], timeout,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _write_back(self, req: DecodeRequest, old_kv: int) -> None:
         """Blocks completed this step go to the store (KV + summaries), so they stay fetchable
@@ -462,16 +476,16 @@ class DecodeEngine:
             if req in batch:
                 batch.remove(req)
         if req.ws is not None:
-            # One timeout for them all: a store that stopped answering would hold each up for it.
-            deadline = time.monotonic() + self.config.fetch_timeout_s
             try:
                 for handle in self._transfers_of(req) if wait_for_transfers else ():
                     try:
-                        handle.wait(max(0.0, deadline - time.monotonic()))
+                        handle.wait_due()  # each was issued before now: one timeout for them all
                     except KVStoreError as error:
                         # Its output is whole; raising here failed the step with the request
                         # already out of the batch, so its stream never ended.
                         log.warning("request %s: a transfer failed as it finished: %s", req.request_id, error)
+                        # A store that does not answer would hold up a free for the timeout again.
+                        wait_for_free = wait_for_free and not isinstance(error, StoreTimeout)
             finally:
                 self._release_working_set(req)
         self._free_in_store(req.request_id, wait=wait_for_free)

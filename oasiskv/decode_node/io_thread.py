@@ -18,13 +18,17 @@ the timeout, at each block a request completed.
 
 Every wait is bounded: a transfer or control call not done in time raises `StoreTimeout`, and
 `ended()` tells whether a transfer can still write into the caller's memory (a timed-out one
-may: the caller must not reuse that memory until it has ended).
+may: the caller must not reuse that memory until it has ended). A transfer is due a timeout
+after it was submitted (`FetchHandle.deadline`), not a timeout after someone starts waiting for
+it: the transfers of a store that stops answering, issued together, time out together, and the
+model thread, waiting for one after another, is held up once and not once per transfer.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 
@@ -49,8 +53,10 @@ class FetchHandle:
     """The TransferHandle interface (done / wait / ended) over a transfer submitted to an I/O
     thread; `index`: this read's entry in a `read_many` job, which fails only if this read did."""
 
-    def __init__(self, future: Future, index: int | None = None, underlying: list | None = None):
+    def __init__(self, future: Future, timeout_s: float, index: int | None = None, underlying: list | None = None):
         self.future = future
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
         self.index = index
         # [the store client's handle], set by the job once it has started the transfer.
         self.underlying = underlying if underlying is not None else [None]
@@ -63,6 +69,16 @@ class FetchHandle:
 
     def wait(self, timeout: float | None = None) -> None:
         self._result(timeout)
+
+    def wait_due(self) -> None:
+        """Wait until it has landed, at most until its deadline; `StoreTimeout` once that has passed."""
+        try:
+            self.wait(max(0.0, self.deadline - time.monotonic()))
+        except StoreTimeout:
+            if self.future.done():
+                raise  # the job's own wait for the store timed out
+            raise StoreTimeout(f"transfer not done {self.timeout_s:.1f}s after it was issued "
+                               "(its store's I/O thread is held up)") from None
 
     def ended(self) -> bool:
         if not self.future.done():
@@ -165,7 +181,7 @@ class IOThreadClient:
             underlying[0] = start()
             underlying[0].wait(self.timeout_s)
 
-        return FetchHandle(self._thread_for(request_id).submit(run, urgent), underlying=underlying)
+        return FetchHandle(self._thread_for(request_id).submit(run, urgent), self.timeout_s, underlying=underlying)
 
     def read_blocks(self, request_id: str, *args, **kwargs) -> FetchHandle:
         return self._transfer(request_id, lambda: self.client.read_blocks(request_id, *args, **kwargs))
@@ -203,7 +219,7 @@ class IOThreadClient:
 
             future = thread.submit(run)
             for position, index in enumerate(indices):
-                handles[index] = FetchHandle(future, position, underlying[position])
+                handles[index] = FetchHandle(future, self.timeout_s, position, underlying[position])
         return handles
 
     def write_back(self, request_id: str, num_tokens: int, *args, **kwargs) -> FetchHandle:

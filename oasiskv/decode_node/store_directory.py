@@ -21,15 +21,19 @@ class StoreDirectory:
         self._clients: dict[str, object] = {}
         self._by_request: dict[str, object] = {}
         self._buffers = []
-        self._connecting = threading.Lock()
+        self._connecting: dict[str, threading.Lock] = {}
+        self._connecting_guard = threading.Lock()
 
     def client_for(self, address: str):
         """The client of the store at `address`, connected on first use. Safe from several
-        threads (one connects at a time): the decode worker connects off its decode loop, since
-        a store that does not answer keeps a connect waiting for the timeout."""
+        threads: the decode worker connects off its decode loop, since a store that does not
+        answer keeps a connect waiting for the timeout; one lock per address, so that such a
+        store holds up only the connects to itself."""
         client = self._clients.get(address)
         if client is None:
-            with self._connecting:
+            with self._connecting_guard:
+                lock = self._connecting.setdefault(address, threading.Lock())
+            with lock:
                 client = self._clients.get(address)
                 if client is None:
                     client = connect(address, transport=self.transport, timeout=self.timeout)

@@ -19,13 +19,13 @@ from .working_set import DevicePool, WorkingSet
 
 
 class LayerTransfers:
-    def __init__(self, pool: DevicePool, client, counters: DecodeCounters, miss_policy: str, timeout_s: float):
-        """miss_policy: 'wait' or 'skip', as DecodeConfig validated it."""
+    def __init__(self, pool: DevicePool, client, counters: DecodeCounters, miss_policy: str):
+        """client: an `IOThreadClient`, whose handles are due a timeout after they were issued;
+        miss_policy: 'wait' or 'skip', as DecodeConfig validated it."""
         self.pool = pool
         self.client = client
         self.counters = counters
         self.miss_policy = miss_policy
-        self.timeout_s = timeout_s
 
     def issue(self, fetches: list[tuple[int, WorkingSet, object]]) -> None:
         """Issue the fetches (layer, working set, plan) of every request as one I/O job."""
@@ -34,7 +34,7 @@ class LayerTransfers:
             previous = ws.pending[layer]
             if previous is not None:  # at most one transfer per layer in flight: finish the older one
                 try:
-                    previous.wait(self.timeout_s)
+                    previous.wait_due()
                 except KVStoreError as error:
                     self._failed(ws, error)
                     continue  # it stays pending: one that timed out may still land in these rows
@@ -87,7 +87,7 @@ class LayerTransfers:
                 if not on_demand:
                     self.counters.prefetch_misses += 1
                 started = time.perf_counter()
-                handle.wait(self.timeout_s)
+                handle.wait_due()
                 self.counters.fetch_wait_s += time.perf_counter() - started
                 if on_demand:
                     self.counters.on_demand_waits += 1

@@ -22,9 +22,9 @@ class HeldUpTransfer:
     def done(self) -> bool:
         return False
 
-    def wait(self, timeout=None) -> None:
+    def wait_due(self) -> None:
         self.waits += 1
-        raise StoreTimeout(f"transfer not done after {timeout}s")
+        raise StoreTimeout("transfer not done 0.01s after it was issued")
 
     def ended(self) -> bool:
         return False
@@ -36,7 +36,7 @@ def make(miss_policy="wait"):
     plan = RowPlan(sinks=1, ring=5, budget=4)
     ws = WorkingSet("r", torch.arange(plan.total), plan, layout.num_layers, layout.num_kv_heads, layout.block_size)
     counters = DecodeCounters()
-    return LayerTransfers(pool, client=None, counters=counters, miss_policy=miss_policy, timeout_s=0.01), ws, counters
+    return LayerTransfers(pool, client=None, counters=counters, miss_policy=miss_policy), ws, counters
 
 
 def test_a_timed_out_prefetch_fails_its_request_and_stays_pending():

@@ -410,3 +410,92 @@ def test_a_request_for_a_store_that_stops_answering_does_not_hold_up_the_batch(
     assert ended == ["running", "late"]
     assert stats["healthy"], stats["error"]
     assert stats["step_failures"] == 0 and stats["running"] == stats["admitting"] == stats["waiting"] == 0
+
+
+def decode_while_a_store_stops_answering(smollm2_llm, freezable_store, config, num_frozen, max_tokens):
+    """One request decodes from a healthy store beside `num_frozen` requests from a store that
+    stops answering once all have emitted a first token. Returns the healthy request's stream
+    (items, error), the frozen requests' errors, the order in which they ended (the healthy one
+    is 'running'), the longest gap between the healthy request's items, and the worker's stats;
+    once the frozen store answers again, every pool row and all store memory are back."""
+    import signal
+    import time
+
+    from oasiskv.kvstore import KVStoreServer
+
+    frozen_address, frozen = freezable_store
+    surviving = KVStoreServer(capacity_bytes=64 * 2**20, prefault=False, transport="tcp")
+    surviving.start()
+    worker = DecodeWorker("smollm2-135m", config, transport="tcp")
+    try:
+        params = {**PARAMS, "max_tokens": max_tokens}
+        addresses = [surviving.address] + [frozen_address] * num_frozen
+        results = prefill_long_requests(smollm2_llm, worker, addresses, params)
+        ended: list[str] = []
+        arrivals: list[float] = []
+
+        async def watch(name, stream):
+            items, error = [], None
+            try:
+                async for item in stream:
+                    items.append(item)
+                    if name == "running":
+                        arrivals.append(time.monotonic())
+            except RuntimeError as failure:
+                error = failure
+            ended.append(name)
+            return items, error
+
+        async def run():
+            streams = [worker.generate(r, params, address) for r, address in zip(results, addresses)]
+            firsts = [await anext(stream) for stream in streams]
+            assert all(not first["finished"] for first in firsts)
+            frozen.send_signal(signal.SIGSTOP)
+            return await asyncio.gather(*(watch("running" if i == 0 else f"frozen-{i}", stream)
+                                          for i, stream in enumerate(streams)))
+
+        (items, error), *frozen_outcomes = asyncio.run(run())
+        stats = worker.stats()
+        assert surviving.store.stats().num_requests == 0
+        frozen.send_signal(signal.SIGCONT)
+        wait_for_rows_and_store(worker, frozen_address)
+        longest_gap = max((b - a for a, b in zip(arrivals, arrivals[1:])), default=0.0)
+        return (items, error), [e for _, e in frozen_outcomes], ended, longest_gap, stats
+    finally:
+        worker.shutdown()
+        surviving.stop()
+
+
+def test_a_write_back_to_a_store_that_stops_answering_holds_out_only_its_own_request(smollm2_llm, freezable_store):
+    """Under the 'skip' miss policy a request whose store has stopped answering decodes on
+    until a block it wrote back is due to be overwritten in the local window: it sits out the
+    steps from then on, while the batch decodes on, and ends with a StoreTimeout once the
+    write-back is a fetch timeout late. Before, the decode loop waited for that write-back, and
+    every running request stalled for the timeout."""
+    config = {"kv_pool_gb": 0.05, "budget_tokens": 64, "miss_policy": "skip", "fetch_timeout_s": 20.0}
+    (items, error), (frozen_error,), ended, _, stats = decode_while_a_store_stops_answering(
+        smollm2_llm, freezable_store, config, num_frozen=1, max_tokens=160)
+    assert ended == ["running", "frozen-1"]
+    assert error is None and items[-1]["finished"] and items[-1]["num_tokens"] == 160
+    assert frozen_error is not None and "its store failed it: StoreTimeout" in str(frozen_error)
+    assert "20.0s after it was issued" in str(frozen_error)
+    assert stats["healthy"], stats["error"]
+    assert stats["step_failures"] == 0 and stats["running"] == 0
+
+
+def test_the_transfers_of_a_store_that_stops_answering_time_out_together(smollm2_llm, freezable_store):
+    """Two requests read from a store that stops answering, under the 'wait' miss policy: the
+    layer that waits for their prefetches waits once, until the transfers' common deadline
+    (fetch_timeout_s after they were issued), and both end with a StoreTimeout. Before, each
+    wait started its own timeout, so the batch stalled for the timeout once per request."""
+    config = {"kv_pool_gb": 0.05, "budget_tokens": 64, "max_replace_fraction": 1.0, "prefetch_rank_fraction": 1.0,
+              "fetch_timeout_s": 6.0}
+    (items, error), frozen_errors, ended, longest_gap, stats = decode_while_a_store_stops_answering(
+        smollm2_llm, freezable_store, config, num_frozen=2, max_tokens=64)
+    assert error is None and items[-1]["finished"] and items[-1]["num_tokens"] == 64
+    assert all(e is not None and "StoreTimeout" in str(e) for e in frozen_errors), frozen_errors
+    assert ended[-1] == "running"
+    # One stall of at most the timeout, against two (12 s) before.
+    assert 0.5 * 6.0 < longest_gap < 1.5 * 6.0, longest_gap
+    assert stats["healthy"], stats["error"]
+    assert stats["step_failures"] == 0 and stats["running"] == 0
