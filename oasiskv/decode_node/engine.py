@@ -61,7 +61,12 @@ class Admission:
     blocks: FetchHandle
     summaries: Future | None
     num_units: int
-    deadline: float  # monotonic; past it the request ends with a StoreTimeout
+
+    @property
+    def deadline(self) -> float:
+        """Monotonic; past it the request ends with a StoreTimeout (the summaries are read on
+        the same thread, queued just after the blocks)."""
+        return self.blocks.deadline
 
     def futures(self) -> list[Future]:
         return [self.blocks.future] + ([self.summaries] if self.summaries is not None else [])
@@ -272,8 +277,7 @@ class DecodeEngine:
         summaries = (self.client.call_later("read_summaries", req.request_id, dtype=self.config.summary_read_dtype)
                      if plan.budget else None)
         req.summaries = SummaryPages(self.pool, ws.summary_rows)
-        req.admission = Admission(transfers[-1], summaries, int(blocks.size),
-                                  time.monotonic() + self.config.fetch_timeout_s)
+        req.admission = Admission(transfers[-1], summaries, int(blocks.size))
         req.ws = ws
 
     def _join_admitted(self, wait_s: float = 0.0) -> list[DecodeOutput]:
