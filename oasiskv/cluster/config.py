@@ -22,6 +22,11 @@ class ServeConfig(BaseModel):
     stores: int = Field(1, ge=1)
     store_capacity_gb: float = Field(1.0, gt=0)
     store_port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    store_ttl_s: float = Field(
+        600.0, gt=0, description="a store frees a request nobody has touched for this long (its worker died, say); "
+        "decode workers refresh the requests they hold every decode.store_keep_alive_s, which follows it (a quarter "
+        "of it, at most 30 s) unless set",
+    )
     transport: Literal["auto", "nixl", "tcp"] = "auto"
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = Field(
@@ -75,6 +80,21 @@ class ServeConfig(BaseModel):
                                  "set device only")
         elif self.decode.device != self.device:
             self.decode = DecodeConfig(**{**self.decode.model_dump(exclude_unset=True), "device": self.device})
+        return self
+
+    @model_validator(mode="after")
+    def _keep_alive_within_ttl(self) -> "ServeConfig":
+        """A decode worker must refresh its requests well inside the stores' TTL, or a request
+        that waits in the queue is freed under it. Twice per TTL at least: one refresh may be
+        held up by a store that is slow to answer."""
+        if "store_keep_alive_s" not in self.decode.model_fields_set:
+            keep_alive = min(30.0, self.store_ttl_s / 4)
+            if keep_alive != self.decode.store_keep_alive_s:
+                self.decode = DecodeConfig(**{**self.decode.model_dump(exclude_unset=True), "store_keep_alive_s": keep_alive})
+        elif self.decode.store_keep_alive_s > self.store_ttl_s / 2:
+            raise ValueError(f"decode.store_keep_alive_s ({self.decode.store_keep_alive_s:g} s) must be at most half of "
+                             f"store_ttl_s ({self.store_ttl_s:g} s): the stores would free requests the decode workers "
+                             "still hold")
         return self
 
     @model_validator(mode="after")

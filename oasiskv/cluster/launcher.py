@@ -103,6 +103,15 @@ def start_ray(config: ServeConfig) -> None:
         ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(2, config.prefill_workers + config.decode_workers))
 
 
+def store_config(config: ServeConfig, index: int) -> dict:
+    """The StoreConfig fields of the cluster's `index`-th store."""
+    fields = {"capacity_gb": config.store_capacity_gb, "port": config.store_port + index if config.store_port else 0,
+              "transport": "tcp" if config.transport == "tcp" else "nixl", "ttl_s": config.store_ttl_s}
+    if config.address:  # other nodes must reach it
+        fields["host"] = "0.0.0.0"
+    return fields
+
+
 def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
     """Start every actor and wait until each has loaded its model / opened its port."""
     import ray
@@ -116,13 +125,9 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
     threads = config.worker_threads()
     stores = []
     for i in range(config.stores):
-        store_config = {"capacity_gb": config.store_capacity_gb, "port": config.store_port + i if config.store_port else 0,
-                        "transport": "tcp" if config.transport == "tcp" else "nixl"}
-        if config.address:  # other nodes must reach it
-            store_config["host"] = "0.0.0.0"
         # A dead store is restarted by Ray, empty, at an address the health poll picks up;
         # the requests it held fail. Without the restart a lost store pod was lost for good.
-        handle, address = launch_store_actor(store_config, timeout_s=timeout_s,
+        handle, address = launch_store_actor(store_config(config, i), timeout_s=timeout_s,
                                              **_options(config, "store", max_restarts=-1))
         stores.append(WorkerSlot(f"store-{i}", handle, capacity=int(config.store_capacity_gb * 2**30), address=address))
     if config.prefill_engine == "vllm":

@@ -18,6 +18,12 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stores", type=int, default=1)
     parser.add_argument("--store-capacity-gb", type=float, default=1.0)
     parser.add_argument("--store-port", type=int, default=0, help="first store's port (0: any free port)")
+    parser.add_argument("--store-ttl-s", type=float, default=600.0,
+                        help="a store frees a request nobody has touched for this long (its decode worker died, say); "
+                             "decode workers refresh what they hold every quarter of it, at most every 30 s")
+    parser.add_argument("--fetch-timeout-s", type=float, default=None,
+                        help="a decode worker ends a request whose store has not answered a read or write this long "
+                             "after it was issued; the rest of the batch decodes on (default 30)")
     parser.add_argument("--transport", choices=["auto", "nixl", "tcp"], default="auto")
     parser.add_argument("--placement", choices=["none", "resources"], default="none",
                         help="'resources': roles go where Ray advertises oasiskv_prefill/decode/store")
@@ -86,12 +92,13 @@ def config_from_args(args: argparse.Namespace):
               "num_draft_tokens": args.num_draft_tokens, "drafter": args.drafter}
     # Options left unset keep DecodeConfig's defaults (the flags are named after its fields).
     for name in ("max_replace_fraction", "lookahead_topup_blocks", "prefetch_rank_fraction", "lookahead_layer_group",
-                 "draft_window_tokens", "draft_catch_up_budget", "miss_policy"):
+                 "draft_window_tokens", "draft_catch_up_budget", "miss_policy", "fetch_timeout_s"):
         if getattr(args, name) is not None:
             decode[name] = getattr(args, name)
     fields = dict(model=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
                   address=args.address, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                   stores=args.stores, store_capacity_gb=args.store_capacity_gb, store_port=args.store_port,
+                  store_ttl_s=args.store_ttl_s,
                   transport=args.transport, placement=args.placement, dtype=args.dtype, decode=decode,
                   gpus_per_worker=args.gpus_per_worker,
                   threads_per_worker=args.threads_per_worker, max_queued_requests=args.max_queued_requests,
