@@ -46,6 +46,7 @@ class ClusterService:
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", ()))
         self._poller: asyncio.Task | None = None
         self._last_bytes: dict[str, tuple[float, float]] = {}
+        self._tasks: set[asyncio.Task] = set()  # started by the poll and not awaited there
         self.restart_actor = _restart_ray_actor  # a unit test of the poll puts a stand-in here
         for slot in handles.decode:  # each worker's series from 0, so a first restart is an increase
             self.metrics.worker_restarts.labels("decode", slot.name)
@@ -92,12 +93,27 @@ class ClusterService:
                 address = stats.get("address")
                 if address and address != slot.address:
                     log.warning("%s is back at %s (it was at %s): Ray restarted it, empty", slot.name, address, slot.address)
+                    if slot.address:
+                        self._background(self._retire_store(slot.address))
                     slot.address = address
             m.health[("store", slot.name)] = slot.healthy
         for slot in self.handles.prefill:
             await self._poll(slot, slot.handle.ready)
             m.health[("prefill", slot.name)] = slot.healthy
         m.queue_length.set(self.router.queued)
+
+    def _background(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)  # a task nobody references may be collected before it runs
+        task.add_done_callback(self._tasks.discard)
+
+    async def _retire_store(self, address: str) -> None:
+        """Every decode worker drops its client of the store that was at `address`."""
+        for slot in self.handles.decode:
+            try:
+                await asyncio.wait_for(_await(slot.handle.forget_store.remote(address)), timeout=60)
+            except Exception as error:  # a dead worker lost its clients anyway
+                log.warning("%s could not retire its client of the store at %s: %r", slot.name, address, error)
 
     def _restart(self, slot, role: str, reason: str) -> None:
         """A worker broken for good refuses every request until it is restarted; nothing else

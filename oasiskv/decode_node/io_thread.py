@@ -146,11 +146,13 @@ class _IOThread:
                 future.set_exception(error)
 
     def close(self, timeout: float | None = None) -> None:
-        """Run what is queued, then stop (waiting at most `timeout`)."""
+        """Run what is queued, then stop (waiting at most `timeout`; from a job on this thread,
+        not waiting)."""
         with self._wake:
             self._closed = True
             self._wake.notify()
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
 
 class IOThreadClient:
@@ -251,6 +253,14 @@ class IOThreadClient:
             return _result_within(self.call_later(name, *args, **kwargs), self.timeout_s, repr(name))
 
         return call
+
+    def forget_route(self, key) -> None:
+        """Stop the thread of a store client that is gone (`StoreDirectory.retire`) once what is
+        queued on it has run, without waiting for it."""
+        with self._lock:
+            thread = self._threads.pop(key, None)
+        if thread is not None:
+            thread.close(timeout=0)
 
     def close(self, timeout: float | None = None) -> None:
         """Run what is queued, then stop the threads (a thread held up by a store that does not

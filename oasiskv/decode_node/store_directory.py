@@ -1,7 +1,10 @@
 """One decode engine, several stores: store calls are routed by request id.
 
 The engine talks to a single client object; in a cluster each request's KV lives in the store
-the router chose, so the worker binds the request to that store's client on arrival.
+the router chose, so the worker binds the request to that store's client on arrival. A store
+that Ray restarted comes back at a new address; the client of the old one is retired, and
+closed once the last request bound to it has been freed (each restart left a client, its NIXL
+agent and an I/O thread behind in every decode worker).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ class StoreDirectory:
         self._buffers = []
         self._connecting: dict[str, threading.Lock] = {}
         self._connecting_guard = threading.Lock()
+        self._retired: list = []  # clients of stores that moved, still bound to some request
+        # Called with each retired client once it is closed (the engine stops its I/O thread).
+        self.closed_listeners: list = []
 
     def client_for(self, address: str):
         """The client of the store at `address`, connected on first use. Safe from several
@@ -92,9 +98,53 @@ class StoreDirectory:
     def free(self, request_id) -> None:
         client = self._by_request.pop(request_id, None)
         if client is not None:
-            client.free(request_id)
+            try:
+                client.free(request_id)
+            finally:
+                if self._retired:
+                    self._close_unbound()
+
+    def retire(self, address: str) -> bool:
+        """The store at `address` is gone (Ray restarted it elsewhere): no new request goes to
+        its client, which is closed now if no request is bound to it, else once the last is
+        freed. False: no client for that address."""
+        with self._connecting_guard:
+            client = self._clients.pop(address, None)
+            self._connecting.pop(address, None)
+            if client is None:
+                return False
+            self._retired.append(client)
+        self._close_unbound()
+        return True
+
+    @property
+    def connected(self) -> int:
+        """Clients of the stores in use."""
+        return len(self._clients)
+
+    @property
+    def retired(self) -> int:
+        """Clients of stores that moved that wait for their last requests to be freed."""
+        return len(self._retired)
+
+    def _close_unbound(self) -> None:
+        """Close the retired clients no request is bound to. Runs on any thread (a queued free
+        runs on its store's I/O thread); each client is taken out of the list under the guard,
+        so it is closed once."""
+        bound = {id(client) for client in list(self._by_request.values())}
+        with self._connecting_guard:
+            unbound = [client for client in self._retired if id(client) not in bound]
+            self._retired = [client for client in self._retired if id(client) in bound]
+        for client in unbound:
+            try:
+                client.close()
+            except Exception as error:  # it is gone either way
+                log.warning("closing the client of a store that moved: %s", error)
+            for listener in self.closed_listeners:
+                listener(client)
 
     def close(self) -> None:
-        for client in self._clients.values():
+        for client in [*self._clients.values(), *self._retired]:
             client.close()
         self._clients.clear()
+        self._retired.clear()

@@ -45,6 +45,7 @@ class DecodeWorker:
         self.stores = StoreDirectory(transport, timeout=self.config.fetch_timeout_s)
         drafter = build_drafter(self.config, self.model, self.tokenizer, torch_dtype)
         self.engine = DecodeEngine(self.model, self.tokenizer, self.stores, self.config, drafter=drafter)
+        self.stores.closed_listeners.append(self.engine.client.forget_route)  # its I/O thread goes with it
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._text_sent: dict[str, int] = {}  # per running request, characters its stream has had (loop thread)
@@ -83,7 +84,15 @@ class DecodeWorker:
             "error": self._error,
             "closed": self._closed,  # shut down on purpose: stopped, not broken
             "step_failures": self._step_failures,
+            "store_clients": self.stores.connected,
+            "store_clients_retired": self.stores.retired,  # of stores that moved, closed once their requests end
         }
+
+    async def forget_store(self, address: str) -> bool:
+        """The store that was at `address` is gone (the API's health poll saw Ray restart it at a
+        new one): retire its client and I/O thread, at once or when its last request ends.
+        Off the actor's event loop: closing a client waits for the call it may be in."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.stores.retire, address)
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id, None))

@@ -430,5 +430,14 @@ def test_a_killed_store_fails_its_request_and_comes_back_empty(server, client):
     assert out is not None and out.usage.completion_tokens == 4
     assert store.address != address_before
     assert _store_requests(server) == 0
-    decode_stats = ray.get(server.service.handles.decode[0].handle.stats.remote())
-    assert decode_stats["running"] == 0
+    decode = server.service.handles.decode[0].handle
+    assert ray.get(decode.stats.remote())["running"] == 0
+    # The decode worker let go of its client of the store's old process (told by the health poll,
+    # once the failed request was freed); only the new one's is left. Each restart left one behind.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        decode_stats = ray.get(decode.stats.remote())
+        if decode_stats["store_clients"] == 1 and decode_stats["store_clients_retired"] == 0:
+            break
+        time.sleep(0.5)
+    assert (decode_stats["store_clients"], decode_stats["store_clients_retired"]) == (1, 0)

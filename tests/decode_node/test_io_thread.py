@@ -178,3 +178,29 @@ def test_close_runs_what_is_queued_and_refuses_more():
     assert queued.done() and client.calls == ["read gate", "read b1"]
     with pytest.raises(RuntimeError, match="closed"):
         io.read_blocks("r", 0, 0, "b2", None)
+
+
+def test_a_forgotten_route_runs_what_is_queued_and_stops_its_thread():
+    """A store that moved: its I/O thread runs what is queued, then stops; it can be forgotten
+    from a job on that very thread (a queued free that closed the store's last request)."""
+    routes = {"a": "store-a", "b": "store-b"}
+
+    class Routed:
+        def route(self, request_id):
+            return routes[request_id]
+
+        def free(self, request_id):
+            if request_id == "a":
+                io.forget_route("store-a")  # from the store's own thread: must not join itself
+            return threading.current_thread()
+
+    io = IOThreadClient(Routed(), timeout_s=5)
+    try:
+        thread_a = io.free("a")
+        thread_a.join(5)
+        assert not thread_a.is_alive()
+        thread_b = io.free("b")
+        assert thread_b.is_alive() and thread_b is not thread_a
+        io.free("a")  # a new request on a store at that key again gets a new thread
+    finally:
+        io.close(5)

@@ -56,3 +56,62 @@ def test_threads_that_ask_for_one_new_store_together_share_one_connect(monkeypat
         clients = [f.result(timeout=5) for f in futures]
     assert calls == ["slow:1"]
     assert all(client is clients[0] for client in clients)
+
+
+class _ClosingClient(_Client):
+    def __init__(self, address: str):
+        super().__init__(address)
+        self.closed = 0
+        self.freed = []
+
+    def close(self) -> None:
+        self.closed += 1
+
+    def free(self, request_id) -> None:
+        self.freed.append(request_id)
+
+
+def _directory(monkeypatch) -> StoreDirectory:
+    monkeypatch.setattr(store_directory, "connect", lambda address, transport, timeout: _ClosingClient(address))
+    return StoreDirectory()
+
+
+def test_the_client_of_a_store_that_moved_closes_when_its_last_request_is_freed(monkeypatch):
+    directory = _directory(monkeypatch)
+    closed = []
+    directory.closed_listeners.append(closed.append)
+    directory.bind("a", "old:1")
+    directory.bind("b", "old:1")
+    old = directory.client_for("old:1")
+    assert directory.retire("old:1")
+    assert directory.connected == 0 and directory.retired == 1
+    assert directory.route("a") is old  # requests bound to it still reach it until they end
+    directory.free("a")
+    assert old.closed == 0 and closed == []
+    directory.free("b")
+    assert old.freed == ["a", "b"] and old.closed == 1 and closed == [old]
+    assert directory.retired == 0
+    fresh = directory.client_for("old:1")  # a store that comes back at the old address is connected anew
+    assert fresh is not old and directory.connected == 1
+
+
+def test_an_unused_client_of_a_store_that_moved_closes_at_once(monkeypatch):
+    directory = _directory(monkeypatch)
+    closed = []
+    directory.closed_listeners.append(closed.append)
+    kept = directory.client_for("kept:1")
+    gone = directory.client_for("gone:1")
+    assert directory.retire("gone:1")
+    assert gone.closed == 1 and closed == [gone] and kept.closed == 0
+    assert not directory.retire("never:1")  # no client for it: nothing to do
+    directory.close()
+    assert kept.closed == 1 and gone.closed == 1  # closed once only
+
+
+def test_a_retired_client_still_bound_closes_with_the_directory(monkeypatch):
+    directory = _directory(monkeypatch)
+    directory.bind("a", "old:1")
+    old = directory.client_for("old:1")
+    directory.retire("old:1")
+    directory.close()
+    assert old.closed == 1
