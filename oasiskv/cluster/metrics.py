@@ -46,7 +46,7 @@ class ServingMetrics:
         self.tpot = Histogram("oasiskv_request_tpot_seconds", "time per output token after the first",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("oasiskv_request_e2e_seconds", "end-to-end request latency", buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_length = Gauge("oasiskv_queue_length", "requests waiting for a decode pool", registry=r)
+        self.queue_length = Gauge("oasiskv_queue_length", "requests waiting for a decode pool or for room in a KV store", registry=r)
         self.running = Gauge("oasiskv_running_requests", "requests being served", registry=r)
         self.worker_restarts = Counter("oasiskv_worker_restarts", "workers the API asked Ray to restart because "
                                        "they reported themselves broken", ["role", "worker"], registry=r)

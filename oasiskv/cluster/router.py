@@ -2,7 +2,8 @@
 
 Load is accounted here, at the only place that sees every request: queued prefill tokens per
 prefill worker, reserved pool rows per decode worker, reserved bytes per store. A request that
-can never fit is a client error; one that cannot fit *now* is refused with Retry-After.
+can never fit is a client error; one that cannot fit *now* is refused with Retry-After (the
+service makes one that finds every store full wait for room instead).
 """
 
 from __future__ import annotations
@@ -17,6 +18,13 @@ class Overloaded(Exception):
         super().__init__(message)
         self.retry_after_s = retry_after_s
         self.status = status
+
+
+class StoresFull(Overloaded):
+    """Every healthy store is too full for the request right now; the service waits for room."""
+
+    def __init__(self, message: str = "every KV store is full"):
+        super().__init__(message, retry_after_s=2, status=503)
 
 
 class TooLarge(ValueError):
@@ -83,7 +91,7 @@ class Router:
             queued = True
         stores = [s for s in self.stores if s.healthy and s.load + store_bytes <= s.capacity]
         if not stores:
-            raise Overloaded("every KV store is full", retry_after_s=2, status=503)
+            raise StoresFull()
         store = min(stores, key=lambda s: s.load)
         prefill = min((w for w in self.prefill if w.healthy), key=lambda w: (w.load, w.active))
         for slot, load in ((prefill, prompt_tokens), (decode, rows), (store, store_bytes)):

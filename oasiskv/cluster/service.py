@@ -18,7 +18,7 @@ from ..models.sampling import SamplingParams
 from .config import ServeConfig
 from .launcher import HEALTH_GROUP, ClusterHandles
 from .metrics import ServingMetrics
-from .router import Router
+from .router import Overloaded, Router, StoresFull
 
 log = logging.getLogger("oasiskv.cluster")
 
@@ -47,6 +47,9 @@ class ClusterService:
         self._poller: asyncio.Task | None = None
         self._last_bytes: dict[str, tuple[float, float]] = {}
         self._tasks: set[asyncio.Task] = set()  # started by the poll and not awaited there
+        # Requests waiting for room in a store, first come first served; set at every release.
+        self._store_waiters: list[object] = []
+        self._store_room = asyncio.Event()
         self.restart_actor = _restart_ray_actor  # a unit test of the poll puts a stand-in here
         for slot in handles.decode:  # each worker's series from 0, so a first restart is an increase
             self.metrics.worker_restarts.labels("decode", slot.name)
@@ -100,7 +103,7 @@ class ClusterService:
         for slot in self.handles.prefill:
             await self._poll(slot, slot.handle.ready)
             m.health[("prefill", slot.name)] = slot.healthy
-        m.queue_length.set(self.router.queued)
+        m.queue_length.set(self.queued)
 
     def _background(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -148,6 +151,49 @@ class ClusterService:
         return answer
 
     # -- one request ---------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a decode pool or for room in a store."""
+        return self.router.queued + len(self._store_waiters)
+
+    async def _assign(self, request_id: str, prompt_tokens: int, rows: int, store_bytes: int, deadline: "_Deadline"):
+        """The router's assignment; a request that finds every store full waits for room (the
+        stores free a request's KV when it ends), first come first served, within the queue's
+        limit and the request's timeout, as one that finds every decode pool full waits in a
+        decode queue. Before, it was refused (503) at once: a burst of long prompts, each a
+        large share of a store, was refused while the decode queue had room."""
+        if not self._store_waiters:
+            try:
+                return self.router.assign(request_id, prompt_tokens, rows, store_bytes)
+            except StoresFull:
+                pass
+        if self.queued >= self.config.max_queued_requests:
+            raise Overloaded("every KV store is full and the queue is at its limit", retry_after_s=2, status=503)
+        ticket = object()
+        self._store_waiters.append(ticket)
+        try:
+            while True:
+                if self._store_waiters[0] is ticket:
+                    try:
+                        return self.router.assign(request_id, prompt_tokens, rows, store_bytes)
+                    except StoresFull:
+                        pass
+                left = deadline.at - time.monotonic()
+                if left <= 0:
+                    deadline.expired = True
+                    raise TimeoutError("every KV store stayed full until the request timed out")
+                self._store_room.clear()
+                # A release sets it; a store that comes back healthy does not, hence the bound.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._store_room.wait(), min(left, 1.0))
+        finally:
+            self._store_waiters.remove(ticket)
+            self._store_room.set()  # the next in line may fit now
+
+    def _release(self, assignment) -> None:
+        self.router.release(assignment)
+        self._store_room.set()
+
     def rows_needed(self, prompt_tokens: int, max_tokens: int, mode: str | None, budget: int | None) -> int:
         return plan_rows(self.config.decode, prompt_tokens, max_tokens, mode, budget,
                          kv_itemsize=self.config.kv_itemsize).total
@@ -158,11 +204,14 @@ class ClusterService:
         c = self.config.decode
         rows = self.rows_needed(len(prompt_ids), params.max_tokens, mode, budget_tokens)
         store_bytes = (len(prompt_ids) + params.max_tokens + c.block_size) * self.kv_bytes_per_token
-        assignment = self.router.assign(request_id, len(prompt_ids), rows, store_bytes)
+        # A deadline checked at every await, not asyncio.timeout(): that binds to the task that
+        # enters it, and later events are pulled by other tasks (the response's, a hang-up watch).
+        deadline = _Deadline(self.config.request_timeout_s)
+        started = time.perf_counter()  # TTFT and E2E count a wait for room in a store, as a client sees it
+        assignment = await self._assign(request_id, len(prompt_ids), rows, store_bytes, deadline)
         m = self.metrics
         m.running.inc()
         m.prompt_tokens.inc(len(prompt_ids))
-        started = time.perf_counter()
         status = "error"
         decode_started = prefilled = False
         prefill_ref = None
@@ -170,9 +219,6 @@ class ClusterService:
         token_count = 0
         last_token_time = None
         first_token_time = None
-        # A deadline checked at every await, not asyncio.timeout(): that binds to the task that
-        # enters it, and later events are pulled by other tasks (the response's, a hang-up watch).
-        deadline = _Deadline(self.config.request_timeout_s)
         try:
             prefill_ref = assignment.prefill.handle.prefill.remote(
                 request_id, prompt_ids, asdict(params), assignment.store_address,
@@ -220,7 +266,7 @@ class ClusterService:
         finally:
             if status != "success":
                 await self._cancel(assignment, prefill_ref, prefilled, decode_started and not worker_failed)
-            self.router.release(assignment)
+            self._release(assignment)
             m.running.dec()
             m.requests.labels(status=status).inc()
             end = time.perf_counter()

@@ -290,6 +290,36 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert 'oasiskv_store_capacity_bytes{store="store-0"}' in text
 
 
+def test_requests_that_find_the_store_full_wait_for_room(server, client, smollm2_llm):
+    """Three prompts of which the store holds two at once, sent together: the third waits for one
+    of the first two to end and is served, with the tokens it would have had alone. Before, it
+    was refused (503 "every KV store is full") while the decode queue had room."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    service = server.service
+    store_tokens = service.router.stores[0].capacity // service.kv_bytes_per_token
+    per_request = int(store_tokens / 2.5)  # tokens of KV each request reserves: two fit, three do not
+    max_tokens, block = 8, service.config.decode.block_size
+    prompt_tokens = per_request - max_tokens - block
+    assert 2 * per_request < store_tokens < 3 * per_request
+    assert prompt_tokens + max_tokens <= service.max_model_len
+    source = smollm2_llm.encode(stdlib_source("argparse.py"))
+    prompts = [source[i * 100 : i * 100 + prompt_tokens] for i in range(3)]
+
+    def complete(prompt):
+        # dense: the mode whose tokens equal the single-process engine's at any length
+        return client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                         extra_body={"oasiskv_mode": "dense"})
+
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(complete, prompts))
+    for prompt, out in zip(prompts, outs):
+        assert out.usage.prompt_tokens == prompt_tokens and out.usage.completion_tokens == max_tokens
+        assert out.choices[0].text == _expected(smollm2_llm, prompt, max_tokens)
+    assert service.queued == 0 and service.router.stores[0].load == 0
+    assert _store_requests(server) == 0
+
+
 def test_a_prefill_worker_busy_with_queued_prefills_still_answers_its_health_poll(server, smollm2_llm):
     """The health poll runs in its own concurrency group: behind eight prefill threads and a
     queue it used to time out, and the router refused every request (503) while the worker

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from oasiskv.cluster.router import Overloaded, Router, TooLarge, WorkerSlot
+from oasiskv.cluster.router import Overloaded, Router, StoresFull, TooLarge, WorkerSlot
 
 
 def _router(max_queued=1):
@@ -42,11 +42,13 @@ def test_full_pools_queue_then_refuse_with_retry_after():
 
 
 def test_store_full_is_503_and_too_large_is_refused():
+    """The router refuses; the service makes a request that finds every store full wait for
+    room (tests/cluster/test_store_wait.py)."""
     router = _router()
     router.assign("a", 1, 1, 900)
-    with pytest.raises(Overloaded) as info:
+    with pytest.raises(StoresFull) as info:
         router.assign("b", 1, 1, 200)
-    assert info.value.status == 503
+    assert info.value.status == 503 and isinstance(info.value, Overloaded)
     with pytest.raises(TooLarge, match="decode KV pool"):
         router.assign("c", 1, 11, 1)
     with pytest.raises(TooLarge, match="KV store"):

@@ -1,0 +1,103 @@
+"""A request that finds every KV store full waits for room, first come first served, within the
+queue's limit and its own timeout (it was refused with 503 at once). A unit test of the service's
+admission alone: the router's accounting is real, the worker handles are plain objects because
+admission never calls them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from oasiskv.cluster.config import ServeConfig
+from oasiskv.cluster.launcher import ClusterHandles
+from oasiskv.cluster.router import Overloaded, WorkerSlot
+from oasiskv.cluster.service import ClusterService, _Deadline
+
+
+def make_service(max_queued_requests=8, store_bytes=1000):
+    handles = ClusterHandles([WorkerSlot("prefill-0", object())], [WorkerSlot("decode-0", object(), capacity=100)],
+                             [WorkerSlot("store-0", object(), capacity=store_bytes)])
+    config = ServeConfig(max_queued_requests=max_queued_requests)
+    return ClusterService(config, handles, tokenizer=None, kv_bytes_per_token=1, max_model_len=2048)
+
+
+def assign(service, request_id, store_bytes, timeout_s=30.0):
+    return asyncio.ensure_future(service._assign(request_id, 1, 1, store_bytes, _Deadline(timeout_s)))
+
+
+async def settle():
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_a_request_that_finds_the_store_full_waits_for_room_in_order():
+    async def run():
+        service = make_service()
+        first = await assign(service, "a", 900)
+        big = assign(service, "b", 200)
+        await settle()
+        small = assign(service, "c", 50)  # it would fit now, but waits behind the one before it
+        await settle()
+        assert not big.done() and not small.done() and service.queued == 2
+        service._release(first)
+        b, c = await asyncio.wait_for(asyncio.gather(big, small), 5)
+        assert (b.request_id, c.request_id) == ("b", "c") and service.queued == 0
+        assert service.router.stores[0].load == 250
+
+    asyncio.run(run())
+
+
+def test_the_wait_counts_against_the_queue_limit():
+    async def run():
+        service = make_service(max_queued_requests=1)
+        await assign(service, "a", 900)
+        waiting = assign(service, "b", 200)
+        await settle()
+        with pytest.raises(Overloaded, match="queue is at its limit") as info:
+            await assign(service, "c", 200)
+        assert info.value.status == 503 and info.value.retry_after_s >= 1
+        waiting.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_wait_ends_at_the_request_timeout_and_leaves_the_queue():
+    async def run():
+        service = make_service()
+        await assign(service, "a", 900)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="stayed full"):
+            await assign(service, "b", 200, timeout_s=0.3)
+        assert 0.25 < time.monotonic() - started < 2 and service.queued == 0
+
+    asyncio.run(run())
+
+
+def test_a_waiter_that_hangs_up_lets_the_next_one_in():
+    async def run():
+        service = make_service()
+        first = await assign(service, "a", 900)
+        gone = assign(service, "b", 200)
+        await settle()
+        next_one = assign(service, "c", 200)
+        await settle()
+        gone.cancel()  # the client hung up while it waited
+        await settle()
+        assert service.queued == 1 and not next_one.done()
+        service._release(first)
+        assert (await asyncio.wait_for(next_one, 5)).request_id == "c"
+        assert service.queued == 0
+
+    asyncio.run(run())
+
+
+def test_a_request_larger_than_any_store_is_refused_at_once():
+    async def run():
+        service = make_service()
+        with pytest.raises(ValueError, match="KV store"):
+            await assign(service, "huge", 5000)
+        assert service.queued == 0
+
+    asyncio.run(run())
