@@ -37,8 +37,33 @@ class ApiError(Exception):
         self.status, self.message, self.type, self.param, self.headers = status, message, type_, param, headers or {}
 
 
+class _BodyLimit:
+    """Counts the bytes of a request body as they arrive: a chunked body has no Content-Length for
+    the middleware to check, and one of 9 MB was read and tokenized for 13 s before it was refused."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        received = 0
+
+        async def counted():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:  # FastAPI passes an HTTPException raised while reading on
+                    raise StarletteHTTPException(413, f"request body over {self.limit} bytes")
+            return message
+
+        await self.app(scope, counted, send)
+
+
 def create_app(service: ClusterService, lifespan=None) -> FastAPI:
     app = FastAPI(title="OasisKV", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
     config = service.config
 
     @app.middleware("http")
@@ -108,7 +133,8 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            ids = service.tokenizer.encode(prompt)
+            # Off the event loop: a long prompt takes seconds, and every stream and probe waited.
+            ids = await asyncio.to_thread(service.tokenizer.encode, prompt)
         else:
             ids = list(prompt)
             vocab = service.tokenizer.vocab_size
@@ -121,7 +147,7 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
         _check(body, config.model_name)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            ids = service.tokenizer.apply_chat_template(messages)
+            ids = await asyncio.to_thread(service.tokenizer.apply_chat_template, messages)
         except Exception as exc:  # a template that refuses the conversation (roles out of order...)
             raise ApiError(400, f"chat template failed: {exc}", "invalid_request_error", "messages") from exc
         return await _serve(service, request, body, ids, "chat.completion")
@@ -307,8 +333,10 @@ async def _sse(request: Request, request_id: str, kind: str, body, ids, first, e
         pass
     except TimeoutError:
         yield f"data: {json.dumps(error_body('the request timed out', 'timeout', 504))}\n\n".encode()
+        yield b"data: [DONE]\n\n"  # as vLLM: a client reading to [DONE] is not left waiting for it
     except Exception as exc:  # after the 200 header an error can only travel in the stream
         message = f"the request failed in a worker ({type(exc).__name__}); retry it"
         yield f"data: {json.dumps(error_body(message, 'service_unavailable', 503))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
     finally:
         await events.aclose()  # a disconnected client lands here: the request is aborted and freed

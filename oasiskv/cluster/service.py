@@ -284,8 +284,11 @@ class ClusterService:
                 assignment.decode.handle.abort.remote(assignment.request_id)
             elif prefilled:
                 assignment.store.handle.free.remote(assignment.request_id)
-            elif prefill_ref is not None:  # still prefilling: free once it has written the store
+            elif prefill_ref is not None:
+                # Still prefilling, or queued for it: stopped at its next chunk (on the health
+                # group's thread, not behind the prefills), and freed once the worker lets go.
                 asyncio.get_running_loop().create_task(self._free_after(prefill_ref, assignment))
+                assignment.prefill.handle.cancel.options(concurrency_group=HEALTH_GROUP).remote(assignment.request_id)
         except Exception:
             pass
 

@@ -10,11 +10,16 @@ import torch
 # generators from seed + 1 and seed + 2, which torch still takes (it accepts up to 2**64 - 1).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
+# Below this temperature a request decodes greedily, as in vLLM: dividing the logits by a
+# temperature near zero overflows them to inf and the softmax to NaN, which failed the sampling
+# of every request in the step (1e-40 did; 1e-5 scales logits of 50 to 5e6, still finite).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = no limit
     stop: list[str] = field(default_factory=list)
@@ -40,7 +45,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -52,8 +57,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # Drop a token when the tokens ranked before it already reach top_p.
+        # Drop a token when the tokens ranked before it already reach top_p; never the first (a
+        # top_p that rounds to 0 in fp32, 1e-320 say, dropped every token and sampled from NaN).
         drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.softmax(logits, dim=-1)

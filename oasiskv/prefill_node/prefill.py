@@ -9,6 +9,7 @@ blocks of each layer to predict the decode node's first working set.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -17,6 +18,7 @@ from ..models.attention import AttentionBatch, PagedAttention
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
 from ..models.sampling import SamplingParams, make_generator, sample
 from ..models.transformer import DecoderModel
+from .cancellation import raise_if
 
 
 @dataclass
@@ -69,11 +71,13 @@ class Prefiller:
         budget_blocks: int = 128,
         excluded_head_blocks: int = 1,
         excluded_tail_blocks: int = 4,
+        cancelled: Callable[[], bool] | None = None,
     ) -> PrefillResult:
         """Prefill `prompt_ids`, write its KV to the store under `request_id`, sample the first token.
 
         The initial selection ranks blocks [excluded_head_blocks, blocks - excluded_tail_blocks)
-        (the decode node keeps sinks and its window resident anyway)."""
+        (the decode node keeps sinks and its window resident anyway). `cancelled` is asked
+        before each chunk: once it says so, the store's KV is freed and `PrefillCancelled` raised."""
         params = params or SamplingParams()
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
@@ -112,6 +116,7 @@ class Prefiller:
         backend = _CapturingAttention(cache, config.sliding_window, config.softmax_scale, ship_layer)
         try:
             for start in range(0, num_tokens, self.chunk_tokens):
+                raise_if(cancelled, request_id)
                 end = min(num_tokens, start + self.chunk_tokens)
                 backend.final_chunk = end == num_tokens
                 backend.batch = AttentionBatch.dense([table], [start], [end - start], layout.block_size, device)

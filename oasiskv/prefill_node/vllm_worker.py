@@ -21,6 +21,7 @@ from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, KVStoreError, UnknownReque
 from ..models.device import require_device
 from ..models.pull import resolve_model
 from ..models.sampling import SamplingParams
+from .cancellation import Cancellations, raise_if
 from .prefill import PrefillResult
 
 CONNECTOR_MODULE = "oasiskv.prefill_node.vllm_connector"
@@ -106,6 +107,7 @@ class VLLMPrefillWorker:
         self.transport = transport
         self._clients: dict[str, object] = {}
         self._lock = threading.Lock()  # vLLM's LLM is not re-entrant
+        self.cancellations = Cancellations()
 
     def ready(self) -> bool:
         return True
@@ -123,7 +125,8 @@ class VLLMPrefillWorker:
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         sampling = SamplingParams(**params) if isinstance(params, dict) else params
-        with self._lock:
+        with self.cancellations.tracking(request_id) as cancelled, self._lock:
+            raise_if(cancelled, request_id)  # vLLM's own prefill, once started, runs to its end
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))],
                                         to_vllm_sampling(sampling, request_id, store_address), use_tqdm=False)
         output = outputs[0]
@@ -145,6 +148,11 @@ class VLLMPrefillWorker:
         empty = torch.empty((layout.num_layers, layout.num_kv_heads, 0), dtype=torch.long)
         written = layout.num_blocks(len(prompt_ids)) * layout.num_layers * layout.num_kv_heads * layout.unit_bytes
         return PrefillResult(request_id, list(prompt_ids), int(output.outputs[0].token_ids[0]), layout, empty, written)
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop the prefill of `request_id` if it still waits for the one before it; one that
+        vLLM runs already goes on to its end (and is freed by the API then)."""
+        return self.cancellations.cancel(request_id)
 
     def free(self, request_id: str, store_address: str) -> None:
         try:

@@ -12,6 +12,7 @@ from ..models.device import require_device
 from ..models.loader import load_model_dir
 from ..models.pull import resolve_model
 from ..models.sampling import SamplingParams
+from .cancellation import Cancellations, raise_if
 from .prefill import Prefiller, PrefillResult
 
 
@@ -30,6 +31,7 @@ class PrefillWorker:
         self.summary_kind = summary_kind
         self._prefillers: dict[str, Prefiller] = {}
         self._lock = threading.Lock()  # one prefill at a time: it uses every core it is given
+        self.cancellations = Cancellations()
 
     def ready(self) -> bool:
         return True
@@ -43,11 +45,17 @@ class PrefillWorker:
 
     def prefill(self, request_id: str, prompt_ids: list[int], params: dict, store_address: str,
                 budget_blocks: int, sink_blocks: int, window_blocks: int) -> PrefillResult:
-        with self._lock:
+        with self.cancellations.tracking(request_id) as cancelled, self._lock:
+            raise_if(cancelled, request_id)  # cancelled while it waited for the prefills before it
             return self._prefiller(store_address).prefill(
                 request_id, prompt_ids, SamplingParams(**params), budget_blocks=budget_blocks,
-                excluded_head_blocks=sink_blocks, excluded_tail_blocks=window_blocks,
+                excluded_head_blocks=sink_blocks, excluded_tail_blocks=window_blocks, cancelled=cancelled,
             )
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop the prefill of `request_id` at its next chunk (or before it starts); its KV is
+        freed from the store. False: none is queued or running here."""
+        return self.cancellations.cancel(request_id)
 
     def free(self, request_id: str, store_address: str) -> None:
         """Drop a request's KV from the store (a request cancelled after its prefill)."""

@@ -54,6 +54,16 @@ def test_completion_matches_the_engine(client, smollm2_llm):
     assert out.usage.completion_tokens == 24 and out.choices[0].finish_reason == "length"
 
 
+def test_a_temperature_or_top_p_near_zero_is_served_greedily_beside_other_requests(client, smollm2_llm):
+    """temperature 1e-40 (or top_p 1e-320) made the sampler divide into inf and sample from NaN:
+    503 'retry it', and a request decoding in the same step failed with it."""
+    prompt = "def fibonacci(n):"
+    expected = _expected(smollm2_llm, smollm2_llm.encode(prompt), 16)
+    for extra in ({"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-320}):
+        out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=16, **extra)
+        assert out.choices[0].text == expected and out.usage.completion_tokens == 16
+
+
 def test_text_in_several_byte_tokens_arrives_whole_streamed_or_not(client, smollm2_llm):
     """A character whose bytes a step left half-decoded (U+FFFD) once stopped every later piece of
     text: 40 tokens came back as one character, streamed or not."""
@@ -182,6 +192,40 @@ def test_malformed_json_is_400(server):
     assert "malformed JSON" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_limit_is_413_with_or_without_its_length(server, chunked):
+    """A chunked body has no Content-Length: one of 9 MB was read and tokenized for 13 s."""
+    from oasiskv.cluster.api import MAX_BODY_BYTES
+
+    data = json.dumps({"model": DEFAULT_MODEL, "prompt": "x " * (MAX_BODY_BYTES // 2 + 10), "max_tokens": 1}).encode()
+    content = (data[i : i + 65536] for i in range(0, len(data), 65536)) if chunked else data
+    response = httpx.post(f"{server.url}/v1/completions", content=content, timeout=60,
+                          headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    assert response.status_code == 413
+    assert f"over {MAX_BODY_BYTES} bytes" in response.json()["error"]["message"]
+
+
+def test_the_server_answers_while_it_tokenizes_a_long_prompt(server):
+    """Tokenizing held the event loop (and the GIL): a 6 MB prompt kept /health waiting 8 s."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"model": DEFAULT_MODEL, "prompt": "hello world, this is a test. " * 280_000, "max_tokens": 1}
+    with ThreadPoolExecutor(1) as pool:
+        long_one = pool.submit(httpx.post, f"{server.url}/v1/completions", json=body, timeout=120,
+                               headers={"Authorization": f"Bearer {API_KEY}"})
+        # The server runs in this process: a tokenizer holding the GIL stops this thread too, so
+        # what is timed is the gap between one answered probe and the next.
+        answered = [time.monotonic()]
+        while not long_one.done():
+            assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+            answered.append(time.monotonic())
+            time.sleep(0.05)
+        response = long_one.result()
+    assert response.status_code == 413 and "context" in response.json()["error"]["message"]
+    gaps = [later - earlier for earlier, later in zip(answered, answered[1:])]
+    assert len(gaps) >= 3 and max(gaps) < 1.0, gaps
+
+
 def test_missing_or_wrong_api_key_is_401(server):
     for headers in ({}, {"Authorization": "Bearer wrong"}):
         response = httpx.post(f"{server.url}/v1/completions", json={"model": DEFAULT_MODEL, "prompt": "hi"}, headers=headers)
@@ -267,8 +311,9 @@ def test_a_request_past_its_timeout_ends_and_is_freed_everywhere(server, client,
                           timeout=60)
     if stream:
         assert response.status_code == 200
-        last = [line for line in response.text.splitlines() if line.startswith("data:")][-1]
-        assert "timed out" in json.loads(last.removeprefix("data:"))["error"]["message"]
+        *_, error, done = [line for line in response.text.splitlines() if line.startswith("data:")]
+        assert "timed out" in json.loads(error.removeprefix("data:"))["error"]["message"]
+        assert done == "data: [DONE]"  # as vLLM ends a stream after an error
     else:
         assert response.status_code == 504 and "timed out" in response.json()["error"]["message"]
     assert time.monotonic() - started < 20
@@ -436,7 +481,8 @@ def test_killed_decode_worker_fails_its_request_and_the_server_recovers(server, 
     lines = _stream_killing(server, server.service.handles.decode[0].handle)
     errors = [line for line in lines if '"error"' in line]
     assert errors and "failed in a worker" in errors[0]
-    assert lines[-1] != "data: [DONE]"
+    data = [line for line in lines if line.startswith("data:")]
+    assert data[-2] == errors[0] and data[-1] == "data: [DONE]"  # the error ends the stream, as in vLLM
     deadline = time.monotonic() + 180
     out = _served_again(client, deadline_s=180)
     assert out is not None and out.usage.completion_tokens == 4

@@ -71,3 +71,23 @@ def test_the_extreme_seeds_sample_and_repeat():
         for offset in (1, 2):
             runs = [sample(logits, [params], [make_generator(seed + offset)]) for _ in range(2)]
             assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 7.35e-38, 1e-6])
+def test_a_temperature_near_zero_decodes_greedily(temperature):
+    """Dividing logits by such a temperature overflowed them to inf and the softmax to NaN: the
+    sampler raised, and with it the step of every request beside this one."""
+    logits = torch.tensor([[0.1, 0.9, 0.3], [2.0, 1.0, 0.0]])
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    assert sample(logits, [params, SamplingParams(temperature=1.0)], [None, make_generator(0)])[0] == 1
+    assert not SamplingParams(temperature=1e-4).greedy
+
+
+@pytest.mark.parametrize("top_p", [1e-320, 1e-45, 1e-12])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    """A top_p that rounds to 0 in fp32 dropped every token (NaN probabilities)."""
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    probs = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert torch.equal(probs, torch.tensor([0.0, 1.0, 0.0]))
+    assert sample(logits[None], [SamplingParams(temperature=1.0, top_p=top_p)], [make_generator(1)]) == [1]

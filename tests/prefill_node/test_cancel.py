@@ -1,0 +1,81 @@
+"""A prefill whose client went away stops at its next chunk (or before it starts) and leaves
+nothing in the store; before, it ran to its end and held up every prefill queued behind it."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from oasiskv.kvstore import KVStoreServer, connect
+from oasiskv.prefill_node.cancellation import Cancellations, PrefillCancelled
+from oasiskv.prefill_node.prefill import Prefiller
+from oasiskv.prefill_node.worker import PrefillWorker
+
+from ..conftest import stdlib_source
+
+
+@pytest.fixture(scope="module")
+def store():
+    server = KVStoreServer(capacity_bytes=512 * 2**20, prefault=False, transport="tcp")
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_a_cancelled_prefill_stops_at_its_next_chunk_and_frees_its_kv(smollm2_llm, store):
+    prompt = smollm2_llm.encode(stdlib_source("argparse.py"))[:2048]
+    chunks_run = []
+
+    def cancelled() -> bool:
+        chunks_run.append(len(chunks_run))
+        return len(chunks_run) > 2  # the client hangs up during the second of eight chunks
+
+    prefiller = Prefiller(smollm2_llm.model, connect(store.address, transport="tcp"), chunk_tokens=256)
+    with pytest.raises(PrefillCancelled, match="cancelled"):
+        prefiller.prefill("gone", prompt, cancelled=cancelled)
+    assert len(chunks_run) == 3  # asked before each chunk: two ran, the third was not started
+    assert store.store.stats().num_requests == 0
+
+
+def test_cancellations_remember_only_prefills_queued_or_running():
+    cancellations = Cancellations()
+    assert not cancellations.cancel("unknown")  # nothing is kept for a request that is not here
+    with cancellations.tracking("a") as cancelled:
+        assert not cancelled()
+        assert cancellations.cancel("a") and cancelled()
+    assert not cancellations.cancel("a")  # its prefill has ended
+
+
+def test_the_worker_cancels_a_running_and_a_queued_prefill(store):
+    worker = PrefillWorker("smollm2-135m", chunk_tokens=128, transport="tcp", threads=1)
+    worker._prefiller(store.address)  # connect now, not inside the race below
+    prompt = list(range(100, 2100))  # 2,000 tokens: 16 chunks of 128
+
+    def prefill(request_id):
+        return worker.prefill(request_id, prompt, {"max_tokens": 4}, store.address, 16, 1, 4)
+
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(prefill, "running")
+        _wait_for(lambda: "running" in worker.cancellations._pending and worker._lock.locked())
+        queued = pool.submit(prefill, "queued")
+        _wait_for(lambda: "queued" in worker.cancellations._pending)
+        assert worker.cancel("queued") and worker.cancel("running")
+        for future in (running, queued):
+            with pytest.raises(PrefillCancelled):
+                future.result(timeout=120)
+    assert not worker.cancel("running")
+    assert connect(store.address, transport="tcp").stats().num_requests == 0
+    done = worker.prefill("after", prompt[:64], {"max_tokens": 4}, store.address, 16, 1, 4)
+    assert done.request_id == "after"  # the worker serves the next one
+    worker.free("after", store.address)
+
+
+def _wait_for(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
