@@ -189,7 +189,9 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=max(0, body.top_k), stop=body.stop_list, seed=body.seed,
-                              ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []))
+                              ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []),
+                              skip_special_tokens=body.skip_special_tokens,
+                              include_stop_str_in_output=body.include_stop_str_in_output)
     except (ValueError, ValidationError) as exc:
         raise ApiError(400, str(exc), "invalid_request_error") from exc
 

@@ -29,6 +29,11 @@ def _encodable(value):
     return value
 
 
+_UNSUPPORTED_VLLM_FIELDS = ("min_tokens", "repetition_penalty", "min_p", "use_beam_search", "length_penalty",
+                            "bad_words", "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
+                            "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -49,6 +54,24 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = Field(None, description="extension (as vLLM's): token ids that end the output")
     stream_options: dict | None = None
     logit_bias: dict | None = None
+    # vLLM's extensions, as vLLM does them.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # vLLM's extensions that are not implemented: refused unless left at these values, since a
+    # request that sets one expects it to take effect (they were ignored, and the output differed).
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OasisKV extensions: how this request is decoded.
     oasiskv_mode: Mode | None = None
     oasiskv_budget_tokens: int | None = Field(None, ge=16)
@@ -62,6 +85,9 @@ class _SamplingFields(BaseModel):
             raise UnsupportedFeature("logprobs are not supported")
         if self.logit_bias:
             raise UnsupportedFeature("logit_bias is not supported")
+        for name in _UNSUPPORTED_VLLM_FIELDS:
+            if getattr(self, name) not in (type(self).model_fields[name].default, []):
+                raise UnsupportedFeature(f"{name} is not supported")
 
     _stop_text = field_validator("stop")(_encodable)
 

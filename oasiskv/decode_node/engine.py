@@ -196,7 +196,7 @@ class DecodeEngine:
         self.waiting.append(req)
         # The first token may already end the request.
         reason = finish_reason(prefill.first_token, 1, params, self.eos_token_ids, False)
-        req.output_text = OutputText(self.tokenizer)
+        req.output_text = OutputText(self.tokenizer, params.skip_special_tokens)
         req.text, req.finish_reason = visible_text(req.output_text, req.output_ids, params, reason, self.eos_token_ids)
         return req.request_id
 

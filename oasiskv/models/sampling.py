@@ -26,6 +26,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     seed: int | None = None
+    # As in vLLM: special tokens (an EOS kept by ignore_eos, say) are left out of the text, and
+    # a stop string that ends the output is cut with the rest unless asked for.
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -64,6 +64,18 @@ def test_a_temperature_or_top_p_near_zero_is_served_greedily_beside_other_reques
         assert out.choices[0].text == expected and out.usage.completion_tokens == 16
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(client, smollm2_llm):
+    """vLLM's option was accepted and ignored: the stop string was cut all the same."""
+    prompt = "1, 2, 3, 4,"
+    whole = _expected(smollm2_llm, smollm2_llm.encode(prompt), 10)
+    assert "7" in whole  # the model counts on
+    for include in (False, True):
+        out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=10, temperature=0, stop="7",
+                                         extra_body={"include_stop_str_in_output": include})
+        cut = whole.index("7") + (1 if include else 0)
+        assert out.choices[0].text == whole[:cut] and out.choices[0].finish_reason == "stop"
+
+
 def test_text_in_several_byte_tokens_arrives_whole_streamed_or_not(client, smollm2_llm):
     """A character whose bytes a step left half-decoded (U+FFFD) once stopped every later piece of
     text: 40 tokens came back as one character, streamed or not."""
@@ -151,6 +163,10 @@ def _post(server, path: str, body: dict) -> httpx.Response:
         ({"model": DEFAULT_MODEL, "prompt": "hi \ud800", "max_tokens": 4}, 422, "lone surrogate"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "stop": ["\udc00"]}, 422, "lone surrogate"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "logit_bias": {"42": 5}}, 400, "logit_bias"),
+        # vLLM options not implemented here: refused, not ignored (the output would differ).
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "min_tokens": 8}, 400, "min_tokens is not supported"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "repetition_penalty": 1.5}, 400, "repetition_penalty"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, fragment):

@@ -71,3 +71,20 @@ def test_the_incremental_decode_equals_the_whole_decode(tokenizer):
     restarted = OutputText(tokenizer)
     restarted.decode(text_ids)
     assert restarted.decode(text_ids[:3]) == tokenizer.decode(text_ids[:3])  # shorter ids start it over
+
+
+def test_a_stop_string_is_kept_when_asked_for(tokenizer):
+    ids = tokenizer.encode("alpha beta STOP gamma")
+    for include, expected in ((False, "alpha beta "), (True, "alpha beta STOP")):
+        params = SamplingParams(stop=["STOP", "gamma"], include_stop_str_in_output=include)
+        assert visible_text(tokenizer, ids, params, None, EOS) == (expected, "stop")
+
+
+def test_special_tokens_are_left_out_of_the_text_unless_asked_for(tokenizer):
+    """An EOS kept by ignore_eos showed as '<|im_end|>' in the text; vLLM leaves it out."""
+    special = tokenizer.token_to_id("<|im_end|>")
+    assert special is not None
+    ids = tokenizer.encode("one two") + [special] + tokenizer.encode(" three")
+    for skip, expected in ((True, "one two three"), (False, "one two<|im_end|> three")):
+        params = SamplingParams(ignore_eos=True, skip_special_tokens=skip)
+        assert visible_text(OutputText(tokenizer, skip), ids, params, "length", EOS)[0] == expected

@@ -182,7 +182,7 @@ class LLM:
         reason = finish_reason(token, len(seq.output_ids), seq.params, self.eos_token_ids,
                                seq.num_tokens >= self.max_model_len)
         if seq.output_text is None:
-            seq.output_text = OutputText(self.tokenizer)
+            seq.output_text = OutputText(self.tokenizer, seq.params.skip_special_tokens)
         seq.text, reason = visible_text(seq.output_text, seq.output_ids, seq.params, reason, self.eos_token_ids)
         if reason:
             self.scheduler.finish(seq, reason)

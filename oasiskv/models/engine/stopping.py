@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from ..sampling import SamplingParams
 
 
@@ -24,8 +26,9 @@ class OutputText:
     `decode(ids)` equals the tokenizer's whole decode of `ids`, provided each call's ids extend
     the previous call's, as a request's output does; fewer ids than last time start it over."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self._restart()
 
     def _restart(self) -> None:
@@ -37,6 +40,8 @@ class OutputText:
         if len(ids) < self.read:
             self._restart()
         decode = self.tokenizer.decode
+        if self.skip_special_tokens:
+            decode = functools.partial(decode, skip_special_tokens=True)
         before = decode(ids[self.context : self.read]) if self.read > self.context else ""
         now = decode(ids[self.context :])
         if not now.startswith(before):  # a decoder that rewrote its context: decode it all once
@@ -51,7 +56,8 @@ class OutputText:
 
 
 def visible_text(tokenizer, output_ids: list[int], params: SamplingParams, reason: str | None, eos_token_ids):
-    """Detokenized output without a final EOS, cut before the first stop string. `tokenizer`:
+    """Detokenized output without a final EOS, cut before the first stop string (after it with
+    `include_stop_str_in_output`). `tokenizer`:
     anything with decode(ids), a request's `OutputText` to decode only what is new.
     Returns (text, reason) where reason becomes "stop" when a stop string was found.
 
@@ -64,9 +70,10 @@ def visible_text(tokenizer, output_ids: list[int], params: SamplingParams, reaso
         ids = ids[:-1]
     text = tokenizer.decode(ids)
     if params.stop:
-        cut = min((i for i in (text.find(s) for s in params.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            return text[:cut], "stop"
+        found = [(i, len(s)) for i, s in ((text.find(s), s) for s in params.stop) if i >= 0]
+        if found:
+            cut, length = min(found)  # the stop string that comes first in the text
+            return text[: cut + length if params.include_stop_str_in_output else cut], "stop"
     if reason is None:
         text = _settled(text, params.stop)
     return text, reason
