@@ -165,6 +165,8 @@ def _check_model(served: str, asked: str) -> None:
 
 
 def _check(body, served: str) -> None:
+    if body.model is None:  # optional, as in vLLM: the one model served
+        body.model = served
     _check_model(served, body.model)
     try:
         body.check_supported()
@@ -184,7 +186,8 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
     if prompt_tokens == 0:
         raise ApiError(400, "the prompt is empty", "invalid_request_error", "prompt")
     if prompt_tokens + max_tokens > max_model_len:
-        raise ApiError(413, f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+        # 400, as vLLM answers it (the openai client's BadRequestError); it was 413.
+        raise ApiError(400, f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                             f"context of {max_model_len} tokens", "invalid_request_error", "prompt")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
@@ -220,7 +223,7 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
         raise ApiError(exc.status, str(exc), "server_overloaded" if exc.status == 429 else "service_unavailable",
                        headers={"Retry-After": str(exc.retry_after_s)}) from exc
     except TooLarge as exc:
-        raise ApiError(413, str(exc), "invalid_request_error") from exc
+        raise ApiError(400, str(exc), "invalid_request_error") from exc
     except TimeoutError as exc:
         raise ApiError(504, "the request timed out", "timeout") from exc
     except Exception as exc:

@@ -37,7 +37,7 @@ _UNSUPPORTED_VLLM_FIELDS = ("min_tokens", "repetition_penalty", "min_p", "use_be
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # None: the model served
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -78,7 +78,9 @@ class _SamplingFields(BaseModel):
 
     def check_supported(self) -> None:
         if self.n != 1:
-            raise UnsupportedFeature("n > 1 is not supported; send several requests")
+            raise UnsupportedFeature(f"n must be 1 (got {self.n}); for several completions send several requests")
+        if self.stream_options is not None and not self.stream:
+            raise UnsupportedFeature("stream_options is only allowed with stream: true")
         if self.presence_penalty or self.frequency_penalty:
             raise UnsupportedFeature("presence_penalty and frequency_penalty are not supported")
         if self.logprobs not in (None, False, 0):
