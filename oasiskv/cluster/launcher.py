@@ -28,6 +28,10 @@ class NotEnoughGPUs(RuntimeError):
     """device='cuda' asks for more GPUs than the Ray cluster has: the actors would wait forever."""
 
 
+class ClusterUnreachable(RuntimeError):
+    """--address names a Ray cluster that does not answer: ray.init retries it for good."""
+
+
 class WorkerStartFailed(RuntimeError):
     """A worker's constructor raised (a draft model that does not fit the target, a pool that
     does not fit the device...): the message is the worker's own exception, without Ray's
@@ -58,6 +62,22 @@ def _wait_ready(slots: list[WorkerSlot], timeout_s: float) -> list:
             raise
         name = next((s.name for s in slots if error.actor_id and s.handle._actor_id.hex() == error.actor_id), "a worker")
         raise WorkerStartFailed(f"{name} failed to start: {_raised_in_worker(error.error_msg)}") from None
+
+
+def _launch_store(name: str, fields: dict, timeout_s: float, **options):
+    """A store actor, or WorkerStartFailed with the store's own error (an arena larger than the
+    node's memory, a port in use), not Ray's traceback around it."""
+    from ray.exceptions import RayActorError
+
+    from ..kvstore import launch_store_actor
+
+    try:
+        return launch_store_actor(fields, timeout_s=timeout_s, **options)
+    except RayActorError as error:
+        if not getattr(error, "_actor_init_failed", False):
+            raise
+        raise WorkerStartFailed(f"{name} failed to start (capacity {fields['capacity_gb']:g} GB, port "
+                                f"{fields['port'] or 'any'}): {_raised_in_worker(error.error_msg)}") from None
 
 
 def _options(config: ServeConfig, role: str, **extra) -> dict:
@@ -92,12 +112,39 @@ def check_gpus(config: ServeConfig, cluster_gpus: float) -> None:
     raise NotEnoughGPUs(message + "; lower --gpus-per-worker or the worker counts, or use --device cpu")
 
 
+def check_local_gpus(config: ServeConfig) -> None:
+    """A cluster this process starts has this machine's GPUs: refuse before Ray starts."""
+    if config.address or config.device != "cuda":
+        return
+    import torch
+
+    check_gpus(config, float(torch.cuda.device_count()) if torch.cuda.is_available() else 0.0)
+
+
+def check_cluster_answers(address: str | None, timeout_s: float = 10.0) -> None:
+    """A Ray head at HOST:PORT must accept a connection: ray.init waits for one that does not
+    answer without end, logging a retry every 30 s. 'auto' and ray:// addresses are Ray's."""
+    import socket
+
+    if not address or address == "auto" or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ClusterUnreachable(f"--address must be 'auto' or HOST:PORT of a Ray head, got {address!r}")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise ClusterUnreachable(f"no Ray cluster answers at {address} ({error}); start one with `ray start --head`, "
+                                 "or leave --address out to start a local one") from None
+
+
 def start_ray(config: ServeConfig) -> None:
     import ray
 
     if ray.is_initialized():
         return
     if config.address:
+        check_cluster_answers(config.address)
         ray.init(address=config.address, include_dashboard=False, log_to_driver=False)
     else:
         ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(2, config.prefill_workers + config.decode_workers))
@@ -117,7 +164,6 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
     import ray
 
     from ..decode_node.worker import DecodeWorker
-    from ..kvstore import launch_store_actor
     from ..prefill_node.worker import PrefillWorker
 
     start_ray(config)
@@ -127,8 +173,8 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
     for i in range(config.stores):
         # A dead store is restarted by Ray, empty, at an address the health poll picks up;
         # the requests it held fail. Without the restart a lost store pod was lost for good.
-        handle, address = launch_store_actor(store_config(config, i), timeout_s=timeout_s,
-                                             **_options(config, "store", max_restarts=-1))
+        handle, address = _launch_store(f"store-{i}", store_config(config, i), timeout_s,
+                                        **_options(config, "store", max_restarts=-1))
         stores.append(WorkerSlot(f"store-{i}", handle, capacity=int(config.store_capacity_gb * 2**30), address=address))
     if config.prefill_engine == "vllm":
         from ..prefill_node.vllm_worker import VLLMPrefillWorker

@@ -117,19 +117,20 @@ def config_from_args(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from ..config_errors import describe
     from ..models.errors import ModelError
-    from .launcher import NotEnoughGPUs, WorkerStartFailed
-    from .server import run_server
+    from .launcher import ClusterUnreachable, NotEnoughGPUs, WorkerStartFailed
+    from .server import PortUnavailable, run_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
     except ValidationError as error:
-        print(f"error: invalid configuration:\n{error}", file=sys.stderr)
+        print(f"error: invalid configuration: {describe(error)}", file=sys.stderr)
         return 2
     try:
         run_server(config)
-    except (ModelError, NotEnoughGPUs, WorkerStartFailed) as error:
+    except (ModelError, NotEnoughGPUs, WorkerStartFailed, PortUnavailable, ClusterUnreachable) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -14,14 +14,37 @@ from ..models.pull import resolve_model
 from ..models.tokenizer import load_tokenizer
 from .api import create_app
 from .config import ServeConfig
-from .launcher import launch, shutdown
+from .launcher import check_local_gpus, launch, shutdown
 from .service import ClusterService
 
 log = logging.getLogger("oasiskv.cluster")
 
 
+class PortUnavailable(RuntimeError):
+    """The API's port cannot be listened on (in use, or not this host's address)."""
+
+
+def require_free_port(host: str, port: int) -> None:
+    """Listen on the API's port for a moment, as uvicorn will: a port in use was found only
+    after Ray and every worker had started (30 s), and serve then exited 3."""
+    import socket
+
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn sets it
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            raise PortUnavailable(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+
+
 def build_service(config: ServeConfig) -> ClusterService:
     model_dir = resolve_model(config.model)  # pulls on first use, with a progress bar
+    if config.decode.drafter != "ngram":
+        resolve_model(config.decode.drafter)  # a draft model that does not exist is named before Ray starts
+    check_local_gpus(config)
     model_config = ModelConfig.from_dir(model_dir)
     per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * config.kv_itemsize
     # Key summaries: min and max in fp32 per block, layer and KV head.
@@ -48,6 +71,7 @@ def make_app(service: ClusterService, shutdown_cluster: bool = True):
 
 
 def run_server(config: ServeConfig) -> None:
+    require_free_port(config.host, config.port)
     service = build_service(config)
     log.info("serving %s on http://%s:%d", config.model_name, config.host, config.port)
     # Without a graceful-shutdown limit uvicorn waits for every open stream, and under Kubernetes

@@ -180,6 +180,8 @@ def connect(target: Any, transport: str = "auto", timeout: float = 30.0, name: s
     """
     if transport not in TRANSPORTS:
         raise InvalidArgument(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+    if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise InvalidArgument(f"timeout must be a positive number of seconds, got {timeout!r}")
     store = target if isinstance(target, KVStore) else getattr(target, "store", None)
     if isinstance(store, KVStore) and transport in ("auto", "inproc"):
         return KVStoreClient(InprocTransport(store, timeout))

@@ -25,6 +25,7 @@ def add_arguments_kvstore(parser: argparse.ArgumentParser) -> None:
 
 
 def run_kvstore(args: argparse.Namespace) -> int:
+    from ..config_errors import describe
     from .config import KVStoreConfig
     from .errors import KVStoreError
     from .server import KVStoreServer
@@ -38,13 +39,14 @@ def run_kvstore(args: argparse.Namespace) -> int:
             hugepages=not args.no_hugepages, prefault=not args.no_prefault,
         )
     except ValidationError as exc:
-        print(f"oasiskv kvstore: invalid configuration:\n{exc}", file=sys.stderr)
+        print(f"oasiskv kvstore: invalid configuration: {describe(exc)}", file=sys.stderr)
         return 2
     try:
         server = KVStoreServer(config)
         address = server.start()
     except (OSError, KVStoreError, MemoryError) as exc:
-        print(f"oasiskv kvstore: cannot start: {exc}", file=sys.stderr)
+        print(f"oasiskv kvstore: cannot start a {config.capacity_bytes / 2**30:g} GB store on {config.host}:{config.port}"
+              f"{f' (metrics on {config.metrics_port})' if config.metrics_port is not None else ''}: {exc}", file=sys.stderr)
         return 1
 
     def stop(signum: int, _frame: object) -> None:

@@ -36,11 +36,15 @@ _IDEMPOTENT = frozenset({"ping", "describe", "stats", "metrics", "touch", "summa
 
 def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
     if isinstance(address, tuple):
-        return str(address[0]), int(address[1])
-    host, sep, port = str(address).rpartition(":")
-    if not sep or not port.isdigit():
-        raise InvalidArgument(f"store address must be 'host:port', got {address!r}")
-    return host or "127.0.0.1", int(port)
+        host, port = str(address[0]), int(address[1])
+    else:
+        host, sep, digits = str(address).rpartition(":")
+        if not sep or not digits.isdigit():
+            raise InvalidArgument(f"store address must be 'host:port', got {address!r}")
+        host, port = host or "127.0.0.1", int(digits)
+    if not 0 < port <= 65535:  # the socket layer takes the port modulo 2**16: 99999 reached 34463
+        raise InvalidArgument(f"store port must be in [1, 65535], got {port} in {address!r}")
+    return host, port
 
 
 def _read_all(reply: dict[str, Any], payload: Payload) -> tuple[dict[str, Any], bytes]:

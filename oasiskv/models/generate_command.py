@@ -25,6 +25,7 @@ def add_arguments_generate(parser: argparse.ArgumentParser) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from ..config_errors import describe
     from .engine import LLM
     from .errors import ModelError
     from .sampling import SamplingParams
@@ -44,7 +45,7 @@ def run_generate(args: argparse.Namespace) -> int:
         else:
             outputs = llm.generate(args.prompt, params)
     except (ValueError, ValidationError, ModelError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {describe(error) if isinstance(error, ValidationError) else error}", file=sys.stderr)
         return 2
     for prompt, out in zip(args.prompt, outputs):
         if args.json:

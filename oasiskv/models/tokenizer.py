@@ -44,6 +44,11 @@ class ChatTokenizer:
         Through `encode_batch`, which lets go of the GIL while it works (`encode` holds it: an API
         server tokenizing a 6 MB prompt on a thread still stopped its event loop for 8 s); the
         same ids, at the same cost."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # tokenizers raised a bare TypeError
+            raise ValueError(f"text is not valid Unicode: {text[exc.start]!r} at character {exc.start} (bytes that "
+                             "are not UTF-8, or a lone surrogate)") from None
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:

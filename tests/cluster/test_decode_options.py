@@ -44,12 +44,14 @@ def test_the_command_line_exits_2_on_a_bad_fraction_without_starting_ray():
 
 
 def test_a_worker_that_cannot_start_is_named_with_its_own_error():
-    """The decode worker's constructor raises (its draft model does not exist): serve exits 2 with
-    one line naming the worker and the cause, not Ray's traceback of the actor's death."""
-    done = subprocess.run([sys.executable, "-m", "oasiskv.cluster.cli", "serve", "--drafter", "nosuch", "--port", "0"],
-                          capture_output=True, text=True, timeout=300)
+    """The decode worker's constructor raises (a draft model whose vocabulary is not the
+    target's; one that does not exist is refused before Ray starts, test_serve_start_checks.py):
+    serve exits 2 with one line naming the worker and the cause, not Ray's traceback of the
+    actor's death."""
+    done = subprocess.run([sys.executable, "-m", "oasiskv.cluster.cli", "serve", "--drafter", "qwen2.5-coder-0.5b",
+                           "--port", "0"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stderr[-2000:]
-    assert "error: decode-0 failed to start: " in done.stderr and "unknown model 'nosuch'" in done.stderr
+    assert "error: decode-0 failed to start: " in done.stderr and "does not match the target's" in done.stderr
     assert "Traceback" not in done.stderr
 
 

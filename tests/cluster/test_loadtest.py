@@ -396,7 +396,9 @@ def test_multi_token_chunks_and_missing_usage(fake, tmp_path):
 
 def test_bad_arguments_are_refused_without_sending(fake, capsys):
     for argv in (["--base-url", "ftp://127.0.0.1:1"], ["--num-prompts", "0"], ["--max-concurrency", "0"],
-                 ["--dataset", "jsonl"], ["--goodput", "speed:3"], ["--percentiles", "0,120"]):
+                 ["--dataset", "jsonl"], ["--goodput", "speed:3"], ["--percentiles", "0,120"],
+                 ["--percentiles", "50,abc"],  # once a bare "could not convert string to float"
+                 ["--save-result", "--result-dir", "/proc/nope"]):  # once found only after the whole run
         args = parse("serve", "--disable-tqdm", *argv) if "--base-url" in argv else parse(
             "serve", "--base-url", fake.url, "--disable-tqdm", *argv)
         assert run_bench(args) == 2, argv

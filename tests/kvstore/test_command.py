@@ -40,3 +40,15 @@ def test_command_rejects_bad_configuration():
     result = subprocess.run([sys.executable, "-m", "oasiskv.kvstore", "--capacity-gb", "-1"], cwd=REPO_ROOT,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "capacity_gb" in result.stderr
+    assert result.stderr.count("\n") == 1 and "pydantic.dev" not in result.stderr  # one line, naming the field
+
+
+def test_a_port_in_use_is_named_in_the_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "oasiskv.kvstore", "--port", str(port), "--transport", "tcp",
+                                 "--capacity-gb", "0.01"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert f"cannot start a 0.01 GB store on 127.0.0.1:{port}" in result.stderr

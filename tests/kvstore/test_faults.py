@@ -350,6 +350,19 @@ def test_unreachable_store():
     assert time.monotonic() - start < 2
 
 
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1:65536", "127.0.0.1:0", ("127.0.0.1", 70000)])
+def test_a_port_out_of_range_is_refused_not_wrapped(address):
+    """The socket layer takes a port modulo 2**16: 127.0.0.1:99999 connected to port 34463."""
+    with pytest.raises(InvalidArgument, match=r"port must be in \[1, 65535\]"):
+        connect(address, transport="tcp", timeout=2)
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), "5"])
+def test_a_timeout_that_is_not_a_positive_number_is_refused(timeout):
+    with pytest.raises(InvalidArgument, match="timeout must be a positive number"):
+        connect("127.0.0.1:7300", transport="tcp", timeout=timeout)
+
+
 def test_silent_store_times_out():
     """A peer that accepts connections but never answers: StoreTimeout, not a hang."""
     listener = socket.socket()

@@ -107,3 +107,17 @@ def test_abort_frees_blocks(smollm2_llm):
     smollm2_llm.abort(rid)
     assert smollm2_llm.cache.allocator.num_free == free_before
     assert not smollm2_llm.has_unfinished
+
+
+def test_an_unknown_engine_option_or_an_empty_model_name_is_refused():
+    """A misspelled option (kv_cache_gbb) was dropped without a word, and LLM("") loaded the
+    default model: vLLM refuses both."""
+    from pydantic import ValidationError
+
+    from oasiskv.models.engine import LLM
+
+    with pytest.raises(ValidationError, match="kv_cache_gbb"):
+        LLM("smollm2-135m", kv_cache_gbb=0.01)
+    for name in ("", "  "):
+        with pytest.raises(ValueError, match="model must be a registry name"):
+            LLM(name)

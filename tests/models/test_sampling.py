@@ -48,6 +48,9 @@ def test_greedy_is_argmax():
     [
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -1}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),  # it sampled from NaN
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
         ({"top_p": 0}, "top_p"),
         ({"top_k": -2}, "top_k"),
         ({"stop": [""]}, "stop"),

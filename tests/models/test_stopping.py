@@ -88,3 +88,10 @@ def test_special_tokens_are_left_out_of_the_text_unless_asked_for(tokenizer):
     for skip, expected in ((True, "one two three"), (False, "one two<|im_end|> three")):
         params = SamplingParams(ignore_eos=True, skip_special_tokens=skip)
         assert visible_text(OutputText(tokenizer, skip), ids, params, "length", EOS)[0] == expected
+
+
+def test_text_that_is_not_valid_unicode_is_refused_by_name(tokenizer):
+    """A command-line prompt with bytes that are not UTF-8 arrives with surrogate escapes;
+    tokenizers raised a bare TypeError."""
+    with pytest.raises(ValueError, match=r"not valid Unicode: '\\udcff' at character 0"):
+        tokenizer.encode("\udcff abc")

@@ -112,9 +112,17 @@ def _check_args(args: argparse.Namespace) -> tuple[dict, list[float]]:
     for name in ("random_input_len", "random_output_len", "files_input_len", "files_output_len", "jsonl_output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
-    percentiles = [float(p) for p in str(args.percentiles).split(",") if p.strip()]
+    try:
+        percentiles = [float(p) for p in str(args.percentiles).split(",") if p.strip()]
+    except ValueError as exc:
+        raise ValueError(f"--percentiles must be numbers separated by commas, got {args.percentiles!r}") from exc
     if any(not 0 < p < 100 for p in percentiles):
         raise ValueError("--percentiles must be between 0 and 100")
+    if args.save_result:
+        # Before the run, not after it: an unwritable folder threw away a whole run's results.
+        folder = Path(args.result_dir)
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise ValueError(f"--result-dir {str(folder)!r} is not a folder this user can write to")
     return parse_goodput(args.goodput), percentiles
 
 

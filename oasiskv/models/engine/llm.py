@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterable, Literal
 
 import torch
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from tqdm.auto import tqdm
 
 from ..device import require_device
@@ -27,6 +27,9 @@ class EmptyPromptError(ValueError):
 
 
 class EngineConfig(BaseModel):
+    # A misspelled option (kv_cache_gbb=...) was dropped without a word, as vLLM refuses it.
+    model_config = ConfigDict(extra="forbid")
+
     model: str = Field("smollm2-135m", description="registry name, HF directory or .gguf file")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: str = "cpu"
@@ -68,6 +71,8 @@ class LLM:
         from ..loader import load_model_dir
         from ..tokenizer import load_tokenizer
 
+        if model is not None and not (isinstance(model, str) and model.strip()):
+            raise ValueError(f"model must be a registry name, a model directory or a .gguf file, got {model!r}")
         self.config = EngineConfig(**({"model": model} if model else {}), **overrides)
         dtype = self.config.torch_dtype()
         model_dir = resolve_model(self.config.model, cache_dir=self.config.cache_dir)

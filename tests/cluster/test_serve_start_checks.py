@@ -1,0 +1,61 @@
+"""What `oasiskv serve` refuses before Ray starts: each was found only after Ray and every worker
+had started (half a minute), or never (an --address nobody answers was retried for good)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from oasiskv.cluster.launcher import ClusterUnreachable, check_cluster_answers
+from oasiskv.cluster.server import PortUnavailable, require_free_port
+
+
+def _serve(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "oasiskv.cluster.cli", "serve", *argv],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_port_in_use_is_refused_before_anything_starts():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(PortUnavailable, match=f"cannot listen on 127.0.0.1:{port}"):
+            require_free_port("127.0.0.1", port)
+        started = time.monotonic()
+        done = _serve("--port", str(port))
+    assert done.returncode == 2 and f"error: cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "Ray" not in done.stderr and time.monotonic() - started < 60
+    require_free_port("127.0.0.1", port)  # free again once the other listener has gone
+
+
+def test_an_address_where_no_ray_head_answers_fails_fast():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nobody listens there once the probe is closed
+    with pytest.raises(ClusterUnreachable, match=f"no Ray cluster answers at 127.0.0.1:{port}"):
+        check_cluster_answers(f"127.0.0.1:{port}", timeout_s=5)
+    with pytest.raises(ClusterUnreachable, match="HOST:PORT"):
+        check_cluster_answers("127.0.0.1:99999")
+    check_cluster_answers("auto")  # Ray's own lookup; not probed here
+    done = _serve("--address", f"127.0.0.1:{port}")
+    assert done.returncode == 2 and "no Ray cluster answers" in done.stderr
+
+
+def test_a_draft_model_that_does_not_exist_is_named_before_ray_starts():
+    started = time.monotonic()
+    done = _serve("--drafter", "nosuch", "--port", "0")
+    assert done.returncode == 2 and "unknown model 'nosuch'" in done.stderr, done.stderr[-2000:]
+    assert "decode-0 failed to start" not in done.stderr  # refused by the head, not by a worker
+    assert time.monotonic() - started < 60
+
+
+def test_a_store_that_cannot_allocate_its_arena_is_named_without_a_traceback():
+    done = _serve("--store-capacity-gb", "100000", "--port", "0", timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "error: store-0 failed to start (capacity 100000 GB" in done.stderr
+    assert "Traceback" not in done.stderr
