@@ -121,3 +121,31 @@ def test_an_unknown_engine_option_or_an_empty_model_name_is_refused():
     for name in ("", "  "):
         with pytest.raises(ValueError, match="model must be a registry name"):
             LLM(name)
+
+
+def test_misused_generate_and_chat_name_the_problem(smollm2_llm):
+    """They raised what the internals tripped on ('NoneType' object is not iterable, a dict with
+    no attribute max_tokens, jinja2's UndefinedError)."""
+    with pytest.raises(TypeError, match="prompts must be"):
+        smollm2_llm.generate(None, SamplingParams(max_tokens=2))
+    with pytest.raises(TypeError, match="params must be SamplingParams"):
+        smollm2_llm.generate(["a"], {"max_tokens": 2})
+    with pytest.raises(ValueError, match="conversation 0: the chat template failed"):
+        smollm2_llm.chat([[{"role": "user"}]], SamplingParams(max_tokens=2))
+    with pytest.raises(TypeError, match="conversation 0 must be a list"):
+        smollm2_llm.chat("hi", SamplingParams(max_tokens=2))
+
+
+def test_a_bad_prompt_later_in_a_batch_leaves_no_request_behind(smollm2_llm):
+    with pytest.raises(EmptyPromptError):
+        smollm2_llm.generate(["def f(x):", ""], SamplingParams(max_tokens=4))
+    assert not smollm2_llm.has_unfinished  # the first one was aborted, not left to the next call
+    out = smollm2_llm.generate(["def g(y):"], SamplingParams(max_tokens=4))
+    assert len(out) == 1 and len(out[0].token_ids) == 4
+
+
+def test_a_max_model_len_beyond_the_models_context_is_refused(smollm2_llm):
+    from oasiskv.models.engine import LLM
+
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        LLM.from_model(smollm2_llm.model, smollm2_llm.tokenizer, kv_cache_gb=0.01, max_model_len=10**7)

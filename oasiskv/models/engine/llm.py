@@ -101,7 +101,10 @@ class LLM:
         self.scheduler = Scheduler(
             self.cache.allocator, spec.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens
         )
-        self.max_model_len = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        if (self.config.max_model_len or 0) > mc.max_position_embeddings:  # was capped without a word
+            raise ValueError(f"max_model_len {self.config.max_model_len} is longer than the model's context of "
+                             f"{mc.max_position_embeddings} tokens")
+        self.max_model_len = self.config.max_model_len or mc.max_position_embeddings
         self.eos_token_ids = set(mc.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
         self._sequences: dict[str, Sequence] = {}
 
@@ -218,11 +221,26 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, dict)):
+            raise TypeError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
         prompts = list(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts")
-        order = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        for p in params_list:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"params must be SamplingParams (or a list of them), got {type(p).__name__}; "
+                                "e.g. SamplingParams(max_tokens=16)")
+        order: list[str] = []
+        try:
+            for prompt, sp in zip(prompts, params_list):
+                if not isinstance(prompt, (str, list, tuple)):
+                    raise TypeError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+                order.append(self.add_request(prompt, sp))
+        except BaseException:
+            for request_id in order:  # a bad prompt later in the list left the earlier ones running
+                self.abort(request_id)
+            raise
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
         started = time.perf_counter()
@@ -240,5 +258,12 @@ class LLM:
         """conversations: one list of {role, content} messages, or a list of them."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            if not isinstance(conversation, list) or not all(isinstance(m, dict) for m in conversation):
+                raise TypeError(f"conversation {i} must be a list of {{'role': ..., 'content': ...}} messages")
+            try:
+                prompts.append(self.tokenizer.apply_chat_template(conversation))
+            except Exception as exc:  # the template's own complaint (a message without content, roles out of order)
+                raise ValueError(f"conversation {i}: the chat template failed: {exc}") from exc
         return self.generate(prompts, params, **kwargs)
