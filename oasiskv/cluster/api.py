@@ -220,6 +220,9 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     except StopAsyncIteration:
         first = None
     except Overloaded as exc:
+        # Counted here, where it is refused: the OasisKVRequestsRejected alert and the outcome
+        # panels read status="rejected", which nothing counted.
+        service.metrics.requests.labels(status="rejected").inc()
         raise ApiError(exc.status, str(exc), "server_overloaded" if exc.status == 429 else "service_unavailable",
                        headers={"Retry-After": str(exc.retry_after_s)}) from exc
     except TooLarge as exc:

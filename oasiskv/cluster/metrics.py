@@ -40,7 +40,9 @@ class ServingMetrics:
     def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("oasiskv_requests", "finished requests by status", ["status"], registry=r)
+        self.requests = Counter("oasiskv_requests", "requests by how they ended: success, abort, error, or rejected "
+                                "(429/503: every pool or store full and the queue at its limit, or no healthy worker)",
+                                ["status"], registry=r)
         self.ttft = Histogram("oasiskv_request_ttft_seconds", "time to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("oasiskv_request_itl_seconds", "inter-token latency", buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("oasiskv_request_tpot_seconds", "time per output token after the first",

@@ -358,6 +358,28 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert 'oasiskv_store_capacity_bytes{store="store-0"}' in text
 
 
+def test_a_refused_request_is_counted_as_rejected(server):
+    """The OasisKVRequestsRejected alert and the outcome panels read status="rejected", which
+    nothing counted: the alert could never fire."""
+    registry = server.service.metrics.registry
+    before = registry.get_sample_value("oasiskv_requests_total", {"status": "rejected"}) or 0.0
+    decode = server.service.handles.decode
+    for _ in range(5):  # the health poll (every 2 s) may mark the worker healthy again at once
+        for slot in decode:
+            slot.healthy = False
+        try:
+            response = _post(server, "completions", {"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 2})
+        finally:
+            for slot in decode:
+                slot.healthy = True
+        if response.status_code == 503:
+            break
+    assert response.status_code == 503 and "no healthy worker" in response.json()["error"]["message"]
+    assert response.headers["retry-after"]
+    assert registry.get_sample_value("oasiskv_requests_total", {"status": "rejected"}) >= before + 1
+    assert 'oasiskv_requests_total{status="rejected"}' in httpx.get(f"{server.url}/metrics").text
+
+
 def test_requests_that_find_the_store_full_wait_for_room(server, client, smollm2_llm):
     """Three prompts of which the store holds two at once, sent together: the third waits for one
     of the first two to end and is served, with the tokens it would have had alone. Before, it

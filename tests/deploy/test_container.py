@@ -57,6 +57,11 @@ def test_runtime_stage_is_non_root_with_healthcheck_and_volume():
     assert "entrypoint.sh" in kinds["ENTRYPOINT"]
     # models baked before the VOLUME line survive; after it they would be discarded
     assert runtime.index("BAKE_MODELS; do") < runtime.index("VOLUME")
+    # A login shell resets PATH for users other than root and then reads /etc/profile.d: KubeRay
+    # before 1.4 runs `bash -lc "... ray health-check"` in its init container, where the venv's
+    # `ray` was not found and the worker pods never left Init.
+    profile = next(line for line in runtime.splitlines() if "/etc/profile.d/" in line)
+    assert "export PATH=/opt/venv/bin:$PATH" in profile and runtime.index(profile) < runtime.index("USER oasis")
 
 
 def test_cuda_variant_is_a_build_argument():

@@ -402,3 +402,14 @@ def test_cuda_workers_without_gpus_or_without_the_cuda_image_are_refused():
     docs = [d for d in yaml.safe_load_all(
         helm_template(None, "--set", "image.device=cuda", "--set", "serve.device=cpu").stdout) if d]
     assert head_args(one(docs, "RayCluster"))["--device"] == "cpu"
+
+
+def test_the_helm_test_pod_pulls_like_the_cluster_and_extra_args_may_be_numbers():
+    """The test pod had no imagePullSecrets (ImagePullBackOff from a private registry), and the
+    schema refused a number in serve.extraArgs ([--store-ttl-s, 300])."""
+    output = helm_template(None, "--set", "imagePullSecrets[0].name=regcred",
+                           "--set-json", 'serve.extraArgs=["--store-ttl-s", 300]').stdout
+    docs = [d for d in yaml.safe_load_all(output) if d]
+    test_pod = next(d for d in docs if d["kind"] == "Pod" and d["metadata"]["name"].endswith("-test-api"))
+    assert test_pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert head_args(one(docs, "RayCluster"))["--store-ttl-s"] == "300"
