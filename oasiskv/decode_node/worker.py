@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from ..models.cpus import threads_within_limit
 from ..models.device import require_device
 from ..models.loader import load_model_dir
 from ..models.pull import resolve_model
@@ -35,7 +36,7 @@ class DecodeWorker:
     def __init__(self, model: str, config: dict | None = None, dtype: str = "float32", threads: int | None = None,
                  transport: str = "auto"):
         if threads:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(threads_within_limit(threads))
         self.config = DecodeConfig(**(config or {}))
         require_device(self.config.device)  # before minutes of model loading
         model_dir = resolve_model(model, progress=False)

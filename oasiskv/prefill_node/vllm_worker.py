@@ -18,6 +18,7 @@ import threading
 import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, KVStoreError, UnknownRequest, connect
+from ..models.cpus import threads_within_limit
 from ..models.device import require_device
 from ..models.pull import resolve_model
 from ..models.sampling import SamplingParams
@@ -103,7 +104,7 @@ class VLLMPrefillWorker:
         self.llm = LLM(**vllm_engine_args(model_dir, dtype, block_size, chunk_tokens, int(kv_cache_gb * 2**30),
                                           transport, max_model_len, summary_kind))
         if threads:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(threads_within_limit(threads))
         self.transport = transport
         self._clients: dict[str, object] = {}
         self._lock = threading.Lock()  # vLLM's LLM is not re-entrant

@@ -8,6 +8,7 @@ import threading
 import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, connect
+from ..models.cpus import threads_within_limit
 from ..models.device import require_device
 from ..models.loader import load_model_dir
 from ..models.pull import resolve_model
@@ -22,7 +23,7 @@ class PrefillWorker:
                  summary_kind: str = DEFAULT_SUMMARY_KIND, device: str = "cpu"):
         require_device(device)  # before minutes of model loading
         if threads:
-            torch.set_num_threads(threads)
+            torch.set_num_threads(threads_within_limit(threads))
         model_dir = resolve_model(model, progress=False)
         self.model = load_model_dir(model_dir, dtype=getattr(torch, dtype), device=device)
         self.block_size = block_size
