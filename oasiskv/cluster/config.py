@@ -79,8 +79,12 @@ class ServeConfig(BaseModel):
                 raise ValueError(f"decode.device ({self.decode.device!r}) disagrees with device ({self.device!r}); "
                                  "set device only")
         elif self.decode.device != self.device:
-            self.decode = DecodeConfig(**{**self.decode.model_dump(exclude_unset=True), "device": self.device})
+            self.decode = self._decode_with(device=self.device)
         return self
+
+    def _decode_with(self, **fields) -> DecodeConfig:
+        """The decode config with `fields` set, validated again; what was set stays set."""
+        return DecodeConfig(**{**self.decode.model_dump(exclude_unset=True), **fields})
 
     @model_validator(mode="after")
     def _keep_alive_within_ttl(self) -> "ServeConfig":
@@ -90,7 +94,7 @@ class ServeConfig(BaseModel):
         if "store_keep_alive_s" not in self.decode.model_fields_set:
             keep_alive = min(30.0, self.store_ttl_s / 4)
             if keep_alive != self.decode.store_keep_alive_s:
-                self.decode = DecodeConfig(**{**self.decode.model_dump(exclude_unset=True), "store_keep_alive_s": keep_alive})
+                self.decode = self._decode_with(store_keep_alive_s=keep_alive)
         elif self.decode.store_keep_alive_s > self.store_ttl_s / 2:
             raise ValueError(f"decode.store_keep_alive_s ({self.decode.store_keep_alive_s:g} s) must be at most half of "
                              f"store_ttl_s ({self.store_ttl_s:g} s): the stores would free requests the decode workers "

@@ -58,10 +58,19 @@ def _wait_ready(slots: list[WorkerSlot], timeout_s: float) -> list:
     try:
         return ray.get([slot.handle.ready.remote() for slot in slots], timeout=timeout_s)
     except RayActorError as error:
-        if not getattr(error, "_actor_init_failed", False):
-            raise
         name = next((s.name for s in slots if error.actor_id and s.handle._actor_id.hex() == error.actor_id), "a worker")
-        raise WorkerStartFailed(f"{name} failed to start: {_raised_in_worker(error.error_msg)}") from None
+        failure = _start_failure(error, f"{name} failed to start")
+        if failure is None:
+            raise
+        raise failure from None
+
+
+def _start_failure(error, what: str) -> WorkerStartFailed | None:
+    """For a RayActorError whose actor's constructor raised, WorkerStartFailed with the worker's
+    own exception after `what`; None for any other (the actor died later)."""
+    if not getattr(error, "_actor_init_failed", False):
+        return None
+    return WorkerStartFailed(f"{what}: {_raised_in_worker(error.error_msg)}")
 
 
 def _launch_store(name: str, fields: dict, timeout_s: float, **options):
@@ -74,10 +83,11 @@ def _launch_store(name: str, fields: dict, timeout_s: float, **options):
     try:
         return launch_store_actor(fields, timeout_s=timeout_s, **options)
     except RayActorError as error:
-        if not getattr(error, "_actor_init_failed", False):
+        failure = _start_failure(error, f"{name} failed to start (capacity {fields['capacity_gb']:g} GB, port "
+                                        f"{fields['port'] or 'any'})")
+        if failure is None:
             raise
-        raise WorkerStartFailed(f"{name} failed to start (capacity {fields['capacity_gb']:g} GB, port "
-                                f"{fields['port'] or 'any'}): {_raised_in_worker(error.error_msg)}") from None
+        raise failure from None
 
 
 def _options(config: ServeConfig, role: str, **extra) -> dict:

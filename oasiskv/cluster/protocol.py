@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..models.sampling import SEED_MAX, SEED_MIN
+from ..models.tokenizer import require_unicode
 
 Mode = Literal["dense", "sparse-current", "lookahead"]
 
@@ -22,10 +23,7 @@ def _encodable(value):
     here, by field, instead of failing inside the tokenizer."""
     texts = [value] if isinstance(value, str) else [v for v in value or () if isinstance(v, str)]
     for text in texts:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ValueError(f"text is not valid Unicode: a lone surrogate at character {exc.start}") from None
+        require_unicode(text)
     return value
 
 

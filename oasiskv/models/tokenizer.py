@@ -44,11 +44,7 @@ class ChatTokenizer:
         Through `encode_batch`, which lets go of the GIL while it works (`encode` holds it: an API
         server tokenizing a 6 MB prompt on a thread still stopped its event loop for 8 s); the
         same ids, at the same cost."""
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:  # tokenizers raised a bare TypeError
-            raise ValueError(f"text is not valid Unicode: {text[exc.start]!r} at character {exc.start} (bytes that "
-                             "are not UTF-8, or a lone surrogate)") from None
+        require_unicode(text)  # tokenizers raised a bare TypeError
         return self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
@@ -89,6 +85,16 @@ class ChatTokenizer:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
+
+
+def require_unicode(text: str) -> None:
+    """ValueError naming the first character no tokenizer can encode: a lone UTF-16 surrogate,
+    as JSON may carry (\\ud800) and a command line makes of bytes that are not UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"text is not valid Unicode: {text[exc.start]!r} at character {exc.start} (a lone "
+                         "surrogate, or bytes that are not UTF-8)") from None
 
 
 def load_tokenizer(model_dir: str | Path) -> ChatTokenizer:

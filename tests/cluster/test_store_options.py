@@ -3,21 +3,14 @@ of what they hold follows it."""
 
 from __future__ import annotations
 
-import argparse
-
 import pytest
 from pydantic import ValidationError
 
 from oasiskv.cluster.config import ServeConfig
 from oasiskv.cluster.launcher import store_config
-from oasiskv.cluster.serve_command import add_arguments_serve, config_from_args
 from oasiskv.kvstore import KVStoreServer, connect
 
-
-def _config(*argv: str) -> ServeConfig:
-    parser = argparse.ArgumentParser()
-    add_arguments_serve(parser)
-    return config_from_args(parser.parse_args(list(argv)))
+from .test_decode_options import _config  # `oasiskv serve`'s arguments as its config
 
 
 def test_the_default_ttl_keeps_the_default_refresh():
