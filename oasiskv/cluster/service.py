@@ -208,8 +208,15 @@ class ClusterService:
         # enters it, and later events are pulled by other tasks (the response's, a hang-up watch).
         deadline = _Deadline(self.config.request_timeout_s)
         started = time.perf_counter()  # TTFT and E2E count a wait for room in a store, as a client sees it
-        assignment = await self._assign(request_id, len(prompt_ids), rows, store_bytes, deadline)
         m = self.metrics
+        try:
+            assignment = await self._assign(request_id, len(prompt_ids), rows, store_bytes, deadline)
+        except TimeoutError:  # waited for store room until the deadline: an error, as a later timeout is
+            m.requests.labels(status="error").inc()
+            raise
+        except (asyncio.CancelledError, GeneratorExit):  # the client hung up while waiting
+            m.requests.labels(status="abort").inc()
+            raise
         m.running.inc()
         m.prompt_tokens.inc(len(prompt_ids))
         status = "error"

@@ -14,12 +14,13 @@ from oasiskv.cluster.config import ServeConfig
 from oasiskv.cluster.launcher import ClusterHandles
 from oasiskv.cluster.router import Overloaded, WorkerSlot
 from oasiskv.cluster.service import ClusterService, _Deadline
+from oasiskv.models.sampling import SamplingParams
 
 
-def make_service(max_queued_requests=8, store_bytes=1000):
-    handles = ClusterHandles([WorkerSlot("prefill-0", object())], [WorkerSlot("decode-0", object(), capacity=100)],
+def make_service(max_queued_requests=8, store_bytes=1000, request_timeout_s=600.0):
+    handles = ClusterHandles([WorkerSlot("prefill-0", object())], [WorkerSlot("decode-0", object(), capacity=1000)],
                              [WorkerSlot("store-0", object(), capacity=store_bytes)])
-    config = ServeConfig(max_queued_requests=max_queued_requests)
+    config = ServeConfig(max_queued_requests=max_queued_requests, request_timeout_s=request_timeout_s)
     return ClusterService(config, handles, tokenizer=None, kv_bytes_per_token=1, max_model_len=2048)
 
 
@@ -71,6 +72,30 @@ def test_a_wait_ends_at_the_request_timeout_and_leaves_the_queue():
         with pytest.raises(TimeoutError, match="stayed full"):
             await assign(service, "b", 200, timeout_s=0.3)
         assert 0.25 < time.monotonic() - started < 2 and service.queued == 0
+
+    asyncio.run(run())
+
+
+def test_requests_that_time_out_or_hang_up_while_waiting_are_counted():
+    """oasiskv_requests_total counted neither: the wait happens before the request is running."""
+    def count(service, status):
+        return service.metrics.requests.labels(status=status)._value.get()
+
+    async def run():
+        service = make_service(request_timeout_s=0.3)
+        await assign(service, "a", 900)
+        params = SamplingParams(max_tokens=100)
+        with pytest.raises(TimeoutError, match="stayed full"):
+            await anext(service.generate("late", [1] * 100, params))
+        assert (count(service, "error"), count(service, "abort")) == (1, 0)
+        service.config = service.config.model_copy(update={"request_timeout_s": 60.0})
+        gone = asyncio.ensure_future(anext(service.generate("gone", [1] * 100, params)))
+        await settle()
+        assert service.queued == 1
+        gone.cancel()
+        await asyncio.gather(gone, return_exceptions=True)
+        assert (count(service, "error"), count(service, "abort"), service.queued) == (1, 1, 0)
+        assert service.metrics.running._value.get() == 0
 
     asyncio.run(run())
 

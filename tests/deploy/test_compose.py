@@ -122,15 +122,28 @@ def test_prometheus_scrapes_the_compose_services(model):
     assert set(dns["names"]) == {"ray-head", "prefill", "decode", "store"}
 
 
+def gpu_devices(service: dict) -> list[dict]:
+    return service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+
+
 def test_gpu_override_gives_prefill_and_decode_a_gpu_each():
     model = resolved(str(GPU_OVERRIDE))
     for name, service in model["services"].items():
-        devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
         wants_gpu = name in ("prefill", "decode")
-        assert bool(devices) == wants_gpu, name
+        assert bool(gpu_devices(service)) == wants_gpu, name
         if name in ("ray-head", "prefill", "decode", "store"):
             assert service["build"]["args"]["DEVICE"] == "cuda"
             assert service["image"] == "oasiskv:cuda"
+    # A count would hand both containers the host's first GPU; named devices keep them apart.
+    (prefill,), (decode,) = (gpu_devices(model["services"][n]) for n in ("prefill", "decode"))
+    assert "count" not in prefill and "count" not in decode
+    assert (prefill["device_ids"], decode["device_ids"]) == (["0"], ["1"])
+    # the override adds devices to the base file's replica count, it does not replace it
+    assert model["services"]["decode"]["deploy"]["replicas"] == 1
+    chosen = resolved(str(GPU_OVERRIDE), env={"OASISKV_PREFILL_GPU": "2", "OASISKV_DECODE_GPU": "3",
+                                               "OASISKV_DECODE_WORKERS": "2"})
+    assert [gpu_devices(chosen["services"][n])[0]["device_ids"] for n in ("prefill", "decode")] == [["2"], ["3"]]
+    assert chosen["services"]["decode"]["deploy"]["replicas"] == 2
     # The head's `oasiskv serve` reads it: workers ask Ray for the GPUs (Ray hides them otherwise).
     assert model["services"]["ray-head"]["environment"]["OASISKV_DEVICE"] == "cuda"
     assert "OASISKV_DEVICE" not in resolved()["services"]["ray-head"]["environment"]

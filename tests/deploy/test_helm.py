@@ -238,6 +238,8 @@ def test_api_service_and_monitors_select_what_exists(rendered):
         monitor = one(docs, "PodMonitor")
         for group, template in pod_templates(cluster):
             assert monitor["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
+            # Prometheus names the job after this pod label; without it, after the PodMonitor
+            assert template["metadata"]["labels"].get(monitor["spec"]["jobLabel"]) == "ray-nodes", group
 
 
 def test_network_policy_keeps_ray_and_nixl_inside_the_release(rendered):
