@@ -46,6 +46,11 @@ class ServeConfig(BaseModel):
     api_key: str | None = Field(default_factory=lambda: os.environ.get("OASISKV_API_KEY") or None)
     max_queued_requests: int = Field(64, ge=0, description="requests waiting for a decode pool before 429")
     request_timeout_s: float = Field(600.0, gt=0)
+    start_timeout_s: float = Field(
+        600.0, gt=0, description="how long serve waits, in all, for every store and worker to start: Ray places them "
+        "once nodes with their resources join (on Kubernetes, once their pods are scheduled and pulled) and each loads "
+        "its model",
+    )
     shutdown_grace_s: float = Field(
         30.0, gt=0, description="on SIGTERM, how long requests in flight may run on; the rest are then aborted and "
         "the cluster shut down (keep it under Kubernetes' terminationGracePeriodSeconds)",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from .config import ServeConfig
@@ -38,6 +39,11 @@ class WorkerStartFailed(RuntimeError):
     traceback around it."""
 
 
+class WorkersNotPlaced(WorkerStartFailed):
+    """Workers still not ready when serve's start timeout ran out: Ray had no node with their
+    resources (pods not yet scheduled, or none that match), or they were still loading."""
+
+
 def _raised_in_worker(error_msg: str) -> str:
     """The exception line(s) at the end of the traceback text Ray carries for a failed actor
     constructor: everything after the last frame (`  File ...` and its indented source lines)."""
@@ -51,12 +57,25 @@ def _raised_in_worker(error_msg: str) -> str:
     return "\n".join(rest).strip() or lines[-1].strip()
 
 
-def _wait_ready(slots: list[WorkerSlot], timeout_s: float) -> list:
+def _not_placed(names: list[str], config: ServeConfig, role: str) -> WorkersNotPlaced:
+    where = (f"no node offers {ROLE_RESOURCES[role]}" if config.placement == "resources"
+             else "no node has the resources they ask for")
+    return WorkersNotPlaced(
+        f"{', '.join(names)} not ready {config.start_timeout_s:g} s after serve began starting the cluster "
+        f"(--start-timeout-s): either Ray has not placed them ({where} yet: `ray status` lists the pending "
+        f"demands) or they are still loading their model")
+
+
+def _wait_ready(slots: list[WorkerSlot], left_s: float, config: ServeConfig, role: str) -> list:
     import ray
     from ray.exceptions import RayActorError
 
+    refs = [slot.handle.ready.remote() for slot in slots]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=left_s)
+    if pending:
+        raise _not_placed([slot.name for slot, ref in zip(slots, refs) if ref in pending], config, role)
     try:
-        return ray.get([slot.handle.ready.remote() for slot in slots], timeout=timeout_s)
+        return ray.get(refs)
     except RayActorError as error:
         name = next((s.name for s in slots if error.actor_id and s.handle._actor_id.hex() == error.actor_id), "a worker")
         failure = _start_failure(error, f"{name} failed to start")
@@ -73,15 +92,17 @@ def _start_failure(error, what: str) -> WorkerStartFailed | None:
     return WorkerStartFailed(f"{what}: {_raised_in_worker(error.error_msg)}")
 
 
-def _launch_store(name: str, fields: dict, timeout_s: float, **options):
+def _launch_store(name: str, fields: dict, left_s: float, config: ServeConfig, **options):
     """A store actor, or WorkerStartFailed with the store's own error (an arena larger than the
     node's memory, a port in use), not Ray's traceback around it."""
-    from ray.exceptions import RayActorError
+    from ray.exceptions import GetTimeoutError, RayActorError
 
     from ..kvstore import launch_store_actor
 
     try:
-        return launch_store_actor(fields, timeout_s=timeout_s, **options)
+        return launch_store_actor(fields, timeout_s=left_s, **options)
+    except GetTimeoutError:
+        raise _not_placed([name], config, "store") from None
     except RayActorError as error:
         failure = _start_failure(error, f"{name} failed to start (capacity {fields['capacity_gb']:g} GB, port "
                                         f"{fields['port'] or 'any'})")
@@ -169,12 +190,18 @@ def store_config(config: ServeConfig, index: int) -> dict:
     return fields
 
 
-def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
-    """Start every actor and wait until each has loaded its model / opened its port."""
+def launch(config: ServeConfig) -> ClusterHandles:
+    """Start every actor and wait until each has loaded its model / opened its port, within
+    `start_timeout_s` in all (the Helm chart's head startup probe is sized from it)."""
     import ray
 
     from ..decode_node.worker import DecodeWorker
     from ..prefill_node.worker import PrefillWorker
+
+    deadline = time.monotonic() + config.start_timeout_s
+
+    def left_s() -> float:
+        return max(0.001, deadline - time.monotonic())
 
     start_ray(config)
     check_gpus(config, ray.cluster_resources().get("GPU", 0.0))
@@ -183,7 +210,7 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
     for i in range(config.stores):
         # A dead store is restarted by Ray, empty, at an address the health poll picks up;
         # the requests it held fail. Without the restart a lost store pod was lost for good.
-        handle, address = _launch_store(f"store-{i}", store_config(config, i), timeout_s,
+        handle, address = _launch_store(f"store-{i}", store_config(config, i), left_s(), config,
                                         **_options(config, "store", max_restarts=-1))
         stores.append(WorkerSlot(f"store-{i}", handle, capacity=int(config.store_capacity_gb * 2**30), address=address))
     if config.prefill_engine == "vllm":
@@ -207,8 +234,8 @@ def launch(config: ServeConfig, timeout_s: float = 600.0) -> ClusterHandles:
             config.model, config.decode.model_dump(), config.dtype, threads, config.transport))
         for i in range(config.decode_workers)
     ]
-    _wait_ready(prefill, timeout_s)
-    for slot, info in zip(decode, _wait_ready(decode, timeout_s)):
+    _wait_ready(prefill, left_s(), config, "prefill")
+    for slot, info in zip(decode, _wait_ready(decode, left_s(), config, "decode")):
         slot.capacity = info["pool_rows"]
     log.info("cluster up: %d prefill, %d decode, %d store(s)", len(prefill), len(decode), len(stores))
     return ClusterHandles(prefill, decode, stores)

@@ -76,6 +76,8 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or OASISKV_API_KEY)")
     parser.add_argument("--max-queued-requests", type=int, default=64)
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--start-timeout-s", type=float, default=600.0,
+                        help="how long to wait, in all, for every store and worker to be placed by Ray and start")
     parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
                         help="on SIGTERM or Ctrl-C, how long requests in flight may run on before they are aborted "
                              "and the cluster is shut down")
@@ -102,7 +104,8 @@ def config_from_args(args: argparse.Namespace):
                   transport=args.transport, placement=args.placement, dtype=args.dtype, decode=decode,
                   gpus_per_worker=args.gpus_per_worker,
                   threads_per_worker=args.threads_per_worker, max_queued_requests=args.max_queued_requests,
-                  request_timeout_s=args.request_timeout_s, shutdown_grace_s=args.shutdown_grace_s,
+                  request_timeout_s=args.request_timeout_s, start_timeout_s=args.start_timeout_s,
+                  shutdown_grace_s=args.shutdown_grace_s,
                   prefill_engine=args.prefill_engine,
                   vllm_kv_cache_gb=args.vllm_kv_cache_gb, vllm_max_model_len=args.vllm_max_model_len)
     if args.api_key:

@@ -59,3 +59,17 @@ def test_a_store_that_cannot_allocate_its_arena_is_named_without_a_traceback():
     assert done.returncode == 2, done.stderr[-2000:]
     assert "error: store-0 failed to start (capacity 100000 GB" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_workers_ray_cannot_place_are_named_when_the_start_timeout_runs_out():
+    """`--placement resources` on a Ray cluster with no node offering the roles' resources (a
+    Kubernetes worker group whose pods are not scheduled): launch() used to wait 600 s per role,
+    past the chart's head startup probe, and then fail with Ray's bare GetTimeoutError."""
+    started = time.monotonic()
+    done = _serve("--placement", "resources", "--start-timeout-s", "5", "--port", "0", timeout=180)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "error: store-0 not ready 5 s after serve began starting the cluster (--start-timeout-s)" in done.stderr
+    assert "no node offers oasiskv_store" in done.stderr and "Traceback" not in done.stderr
+    assert time.monotonic() - started < 120
+    invalid = _serve("--start-timeout-s", "0", "--port", "0")
+    assert invalid.returncode == 2 and "start_timeout_s" in invalid.stderr

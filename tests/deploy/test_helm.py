@@ -369,6 +369,21 @@ def test_the_head_pod_outlives_the_apis_shutdown_grace():
         assert pod["terminationGracePeriodSeconds"] == grace + 30
 
 
+def test_the_head_startup_probe_waits_out_the_model_pull_and_serves_start_timeout():
+    """The probe allowed 900 s while `oasiskv serve` could wait 600 s per role for its workers
+    (and then the pull): on a cluster whose GPU nodes take a while to scale up, the kubelet killed
+    the head, and with it the whole cluster, over and over."""
+    for start, pull in ((1200, 600), (3600, 0), (95, 1)):
+        docs = [d for d in yaml.safe_load_all(helm_template(
+            None, "--set", f"serve.startTimeoutSeconds={start}", "--set", f"modelCache.pullSeconds={pull}").stdout) if d]
+        cluster = one(docs, "RayCluster")
+        assert head_args(cluster)["--start-timeout-s"] == str(start)
+        probe = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["startupProbe"]
+        allowed = probe["periodSeconds"] * probe["failureThreshold"]
+        assert start + pull + 60 <= allowed < start + pull + 60 + probe["periodSeconds"], (start, pull, allowed)
+    assert helm_template(None, "--set", "serve.startTimeoutSeconds=0", check=False).returncode != 0
+
+
 def test_serve_device_follows_the_image_and_gives_each_worker_its_pods_gpu_share(rendered):
     name, docs = rendered
     args = head_args(one(docs, "RayCluster"))
