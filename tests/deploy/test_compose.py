@@ -158,3 +158,7 @@ def test_docker_waits_for_the_apis_shutdown_grace_before_killing_the_head(model)
     minutes, _, seconds = head["stop_grace_period"].removesuffix("s").rpartition("m")
     stop_s = 60 * float(minutes or 0) + float(seconds)
     assert stop_s >= grace_s + 30, (grace_s, head["stop_grace_period"])
+    longer = resolved(env={"OASISKV_SHUTDOWN_GRACE_S": "300", "OASISKV_STOP_GRACE_PERIOD": "5m30s"})
+    head = longer["services"]["ray-head"]
+    assert head["command"][head["command"].index("--shutdown-grace-s") + 1] == "300"
+    assert head["stop_grace_period"] == "5m30s"
