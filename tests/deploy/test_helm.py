@@ -430,3 +430,20 @@ def test_the_helm_test_pod_pulls_like_the_cluster_and_extra_args_may_be_numbers(
     test_pod = next(d for d in docs if d["kind"] == "Pod" and d["metadata"]["name"].endswith("-test-api"))
     assert test_pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     assert head_args(one(docs, "RayCluster"))["--store-ttl-s"] == "300"
+
+
+def test_store_arenas_that_outgrow_their_pods_memory_limit_are_refused():
+    """A store pod holds rayResourceUnits arenas of serve.storeCapacityGb GiB; past the pod's
+    memory limit the kernel kills it with every request's KV. Nothing compared the two."""
+    def render(*sets: str):
+        return helm_template(None, *[arg for s in sets for arg in ("--set-json", s)], check=False)
+
+    for refused in (["serve.storeCapacityGb=8"],  # 8 GiB + 1 for Ray in an 8Gi pod
+                    ["workers.store.rayResourceUnits=2"],  # two 4 GiB arenas
+                    ["serve.storeCapacityGb=7.5", 'workers.store.resources.limits.memory="8192Mi"']):
+        result = render(*refused)
+        assert result.returncode != 0 and "workers.store.resources.limits.memory" in result.stderr, refused
+    for accepted in ([], ["serve.storeCapacityGb=6.5", 'workers.store.resources.limits.memory="8192Mi"'],
+                     ["serve.storeCapacityGb=8", 'workers.store.resources.limits.memory="16G"'],
+                     ["workers.store.rayResourceUnits=2", 'workers.store.resources.limits.memory="10Gi"']):
+        assert render(*accepted).returncode == 0, accepted

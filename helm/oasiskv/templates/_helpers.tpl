@@ -155,3 +155,30 @@ readinessProbe:
   timeoutSeconds: 5
   failureThreshold: 2
 {{- end }}
+
+{{/* A memory quantity in bytes (binary and decimal suffixes); empty for a form not parsed here
+     (an exponent), which then goes unchecked. */}}
+{{- define "oasiskv.quantityBytes" -}}
+{{- $text := toString . -}}
+{{- $number := regexFind "^[0-9]+(\\.[0-9]*)?" $text -}}
+{{- $suffix := trimPrefix $number $text -}}
+{{- $scale := dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 -}}
+{{- if and $number (hasKey $scale $suffix) -}}
+{{- mulf (float64 $number) (get $scale $suffix) -}}
+{{- end -}}
+{{- end }}
+
+{{/* Each store pod holds rayResourceUnits stores, each an arena of serve.storeCapacityGb GiB in
+     the pod's memory: past its limit the kernel kills the pod and every request's KV with it.
+     1 GiB is left for Ray and the store processes. */}}
+{{- define "oasiskv.checkStoreMemory" -}}
+{{- $group := .Values.workers.store -}}
+{{- $limit := dig "limits" "memory" "" $group.resources -}}
+{{- $limitBytes := include "oasiskv.quantityBytes" $limit -}}
+{{- if $limitBytes -}}
+{{- $arenas := mulf $group.rayResourceUnits .Values.serve.storeCapacityGb 1073741824.0 -}}
+{{- if gt (addf $arenas 1073741824.0) (float64 $limitBytes) -}}
+{{- fail (printf "workers.store: %d store(s) per pod x serve.storeCapacityGb %v GiB need %v GiB of the pod's memory plus 1 GiB for Ray, more than workers.store.resources.limits.memory (%v); raise the limit or lower the capacity or rayResourceUnits" (int $group.rayResourceUnits) .Values.serve.storeCapacityGb (divf $arenas 1073741824.0) $limit) -}}
+{{- end -}}
+{{- end -}}
+{{- end }}
