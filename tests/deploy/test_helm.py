@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 import tarfile
 from pathlib import Path
 
@@ -447,3 +448,25 @@ def test_store_arenas_that_outgrow_their_pods_memory_limit_are_refused():
                      ["serve.storeCapacityGb=8", 'workers.store.resources.limits.memory="16G"'],
                      ["workers.store.rayResourceUnits=2", 'workers.store.resources.limits.memory="10Gi"']):
         assert render(*accepted).returncode == 0, accepted
+
+
+def test_notes_warn_when_every_pod_shares_a_read_write_once_model_cache(tmp_path):
+    """`helm template` leaves NOTES.txt out and `helm install --dry-run` needs a cluster, so the
+    warning NOTES.txt prints is rendered here through a ConfigMap added to a copy of the chart."""
+    chart = tmp_path / "oasiskv"
+    shutil.copytree(CHART, chart, symlinks=False)
+    assert 'include "oasiskv.modelCacheWarning"' in (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "warning.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: warning}\n'
+        'data: {text: {{ include "oasiskv.modelCacheWarning" . | quote }}}\n')
+
+    def warning(*sets: str) -> str:
+        argv = [require_tool("helm"), "template", "oasis", str(chart), "--show-only", "templates/warning.yaml"]
+        return yaml.safe_load(run(argv + [a for s in sets for a in ("--set", s)]).stdout)["data"]["text"]
+
+    claim = "modelCache.volume=persistentVolumeClaim"
+    assert "the model cache claim is ReadWriteOnce, and all 4 pods mount it" in warning(claim)
+    assert warning(claim, "modelCache.accessModes={ReadWriteMany}") == ""
+    assert warning(claim, "modelCache.existingClaim=shared") == ""  # its access modes are not ours to know
+    assert warning() == ""  # emptyDir, the default
+    assert "all 6 pods" in warning(claim, "workers.decode.replicas=3")

@@ -182,3 +182,15 @@ readinessProbe:
 {{- end -}}
 {{- end -}}
 {{- end }}
+
+{{/* NOTES' warning for a model cache claim every pod mounts but only one node can attach; empty
+     otherwise. Not a failure: on a one-node cluster (kind, minikube) ReadWriteOnce serves. */}}
+{{- define "oasiskv.modelCacheWarning" -}}
+{{- $cache := .Values.modelCache -}}
+{{- if and (eq $cache.volume "persistentVolumeClaim") (not $cache.existingClaim) (not (has "ReadWriteMany" $cache.accessModes)) -}}
+{{- $pods := add 1 .Values.workers.prefill.replicas .Values.workers.decode.replicas .Values.workers.store.replicas -}}
+WARNING: the model cache claim is {{ join ", " $cache.accessModes }}, and all {{ $pods }} pods mount it: they can
+only run on the node that attaches it, and pods on other nodes stay Pending. Use
+modelCache.accessModes [ReadWriteMany] with a storage class that offers it, or volume: emptyDir.
+{{- end -}}
+{{- end }}
