@@ -27,6 +27,9 @@ class StoreDirectory:
         self._connecting: dict[str, threading.Lock] = {}
         self._connecting_guard = threading.Lock()
         self._retired: list = []  # clients of stores that moved, still bound to some request
+        # Bumped by each retire of an address: a connect that began before it must not become
+        # the address's client (it would be left behind for good).
+        self._generations: dict[str, int] = {}
         # Called with each retired client once it is closed (the engine stops its I/O thread).
         self.closed_listeners: list = []
 
@@ -42,10 +45,15 @@ class StoreDirectory:
             with lock:
                 client = self._clients.get(address)
                 if client is None:
+                    generation = self._generations.get(address, 0)
                     client = connect(address, transport=self.transport, timeout=self.timeout)
                     for buffer in self._buffers:
                         client.register(buffer)
-                    self._clients[address] = client
+                    with self._connecting_guard:
+                        if self._generations.get(address, 0) == generation:
+                            self._clients[address] = client
+                        else:  # the store moved while this connected: it serves the caller's request, then closes
+                            self._retired.append(client)
         return client
 
     def bind(self, request_id: str, address: str) -> None:
@@ -109,6 +117,7 @@ class StoreDirectory:
         its client, which is closed now if no request is bound to it, else once the last is
         freed. False: no client for that address."""
         with self._connecting_guard:
+            self._generations[address] = self._generations.get(address, 0) + 1
             client = self._clients.pop(address, None)
             self._connecting.pop(address, None)
             if client is None:

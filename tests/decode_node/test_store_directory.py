@@ -115,3 +115,31 @@ def test_a_retired_client_still_bound_closes_with_the_directory(monkeypatch):
     directory.retire("old:1")
     directory.close()
     assert old.closed == 1
+
+
+def test_a_connect_under_way_when_its_store_moves_is_retired_not_kept(monkeypatch):
+    """A first connect to the old address still running when the store was retired became the
+    address's client afterwards, and nothing ever closed it."""
+    release, calls = threading.Event(), []
+
+    def connect(address, transport, timeout):
+        calls.append(address)
+        if len(calls) == 1:
+            release.wait(10)
+        return _ClosingClient(address)
+
+    monkeypatch.setattr(store_directory, "connect", connect)
+    directory = StoreDirectory()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        binding = pool.submit(directory.bind, "a", "old:1")
+        while not calls:
+            threading.Event().wait(0.01)
+        assert not directory.retire("old:1")  # no client yet: the connect is under way
+        release.set()
+        binding.result(timeout=5)
+    late = directory.route("a")
+    assert directory.connected == 0 and directory.retired == 1  # it serves request a, and no one else
+    directory.free("a")
+    assert late.closed == 1 and directory.retired == 0
+    fresh = directory.client_for("old:1")  # a store back at that address is connected anew, and kept
+    assert fresh is not late and directory.connected == 1
