@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 from typing import AsyncIterator
 
@@ -26,6 +27,8 @@ from .protocol import (
 )
 from .router import Overloaded, TooLarge
 from .service import ClusterService
+
+log = logging.getLogger("oasiskv.api")
 
 MAX_BODY_BYTES = 8 * 2**20
 DEFAULT_MAX_TOKENS = 16
@@ -168,6 +171,8 @@ def _check(body, served: str) -> None:
     if body.model is None:  # optional, as in vLLM: the one model served
         body.model = served
     _check_model(served, body.model)
+    if body.ignored_fields:  # as vLLM does: served, with a warning naming what it did not use
+        log.warning("request fields ignored (unknown to this server): %s", ", ".join(body.ignored_fields))
     try:
         body.check_supported()
     except UnsupportedFeature as exc:

@@ -33,7 +33,13 @@ _UNSUPPORTED_VLLM_FIELDS = ("min_tokens", "repetition_penalty", "min_p", "use_be
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are kept aside, not refused (OpenAI clients send fields of newer API
+    # versions), and the API logs them: a misspelt `max_token` was dropped without a trace.
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or ())
 
     model: str | None = None  # None: the model served
     max_tokens: int | None = Field(None, ge=1)
