@@ -456,12 +456,18 @@ class DecodeEngine:
     def _emit(self, req: DecodeRequest, emitted: list[int]) -> DecodeOutput:
         new = []
         reason = None
-        for token in emitted:
+        for i, token in enumerate(emitted):
             req.output_ids.append(token)
             new.append(token)
             reason = finish_reason(token, len(req.output_ids), req.params, self.eos_token_ids, False)
             if reason:
                 break
+            if req.params.stop and i + 1 < len(emitted):
+                # A stop string may end inside an accepted run: the tokens after it must not be
+                # output (they were, and counted in usage). The last token is checked below.
+                _, reason = visible_text(req.output_text, req.output_ids, req.params, None, self.eos_token_ids)
+                if reason:
+                    break
         self.counters.generated_tokens += len(new)
         req.text, reason = visible_text(req.output_text, req.output_ids, req.params, reason, self.eos_token_ids)
         if reason:

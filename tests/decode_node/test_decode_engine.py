@@ -44,6 +44,23 @@ def test_plain_decoding_with_k_zero(smollm2_llm, store, prompts, reference):
     assert engine.counters.steps == GREEDY.max_tokens - 1  # one token per step after the prefill's
 
 
+@pytest.mark.parametrize("stop, include", [(["liquor"], False), (["liquor"], True), ([" five doz"], False)])
+def test_a_stop_string_inside_an_accepted_run_ends_the_output_there(smollm2_llm, store, stop, include):
+    """The tokens accepted after a stop string were output and counted (19 tokens against the
+    single-process engine's 14), though the text was cut right."""
+    passage = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick!\n"
+    prompt = smollm2_llm.encode(passage * 3 + "The quick brown")
+    params = SamplingParams(max_tokens=40, ignore_eos=True, stop=stop, include_stop_str_in_output=include)
+    (expected,) = smollm2_llm.generate([prompt], params)
+    engine, (tokens,) = run_engine(smollm2_llm, store, [prompt], DecodeConfig(num_draft_tokens=8, kv_pool_gb=0.25),
+                                   params=params, tag=f"-stop{len(stop[0])}{include}")
+    assert engine.counters.drafts_accepted > 8  # the repeated passage is drafted in long runs
+    assert expected.finish_reason == "stop" and len(expected.token_ids) < 40
+    assert tokens == expected.token_ids
+    assert engine.counters.generated_tokens == len(tokens) - 1  # the first is the prefill's
+    assert store.stats().num_requests == 0
+
+
 def test_small_budget_fetches_only_the_predicted_blocks(smollm2_llm, store, prompts):
     config = DecodeConfig(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
     engine, tokens = run_engine(smollm2_llm, store, prompts, config, tag="-small")
