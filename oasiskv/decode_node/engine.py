@@ -176,6 +176,7 @@ class DecodeEngine:
         if any(r.request_id == prefill.request_id for r in (*self.waiting, *self.admitting, *self.running)):
             # Both would free the same store request when they finish, and the other would fail mid-step.
             raise ValueError(f"request {prefill.request_id!r} is already in this engine")
+        self._check_layout(prefill)
         context = self.model.config.max_position_embeddings
         if len(prefill.prompt_ids) + params.max_tokens > context:
             raise RequestTooLarge(
@@ -199,6 +200,19 @@ class DecodeEngine:
         req.output_text = OutputText(self.tokenizer, params.skip_special_tokens)
         req.text, req.finish_reason = visible_text(req.output_text, req.output_ids, params, reason, self.eos_token_ids)
         return req.request_id
+
+    _SHARED_LAYOUT = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+
+    def _check_layout(self, prefill) -> None:
+        """The prefill's KV must be this engine's: a bf16 or 16-token-block prefill decoded by an
+        fp32 or 32-token-block engine read its blocks as something else and output garbage,
+        with no error. The summary kind may differ: it is each request's own."""
+        theirs = prefill.layout
+        differ = [f"{name} {getattr(theirs, name)} (this engine: {getattr(self.layout, name)})"
+                  for name in self._SHARED_LAYOUT if getattr(theirs, name) != getattr(self.layout, name)]
+        if differ:
+            raise ValueError(f"request {prefill.request_id}: its prefill wrote KV of another layout: {', '.join(differ)}; "
+                             "prefill and decode must run the same model, dtype and block size")
 
     def _admit_waiting(self) -> list[DecodeOutput]:
         """Start the admission of the queued requests that fit, in order."""

@@ -3,6 +3,8 @@ single-process engine, resource accounting, and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -254,6 +256,31 @@ def test_a_request_id_already_in_the_engine_is_refused(smollm2_llm, store):
         with pytest.raises(ValueError, match="'twice' is already in this engine"):
             engine.add(prefill, SamplingParams(max_tokens=4))
         assert len(engine.run_to_completion()["twice"].token_ids) == 4
+    finally:
+        engine.close()
+
+
+def test_a_prefill_of_another_kv_layout_is_refused_by_name(smollm2_llm, store):
+    """A 32-token-block or bf16 prefill decoded by this 16-token-block fp32 engine output garbage
+    (or failed as BlockOutOfRange) without naming why."""
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, DecodeConfig(kv_pool_gb=0.1, budget_tokens=64))
+    prompt = smollm2_llm.encode("def add(a, b):" * 20)
+    try:
+        wide_store = KVStore(32 * 2**20, block_size=32)  # the store refuses a layout of another block size
+        wide = Prefiller(smollm2_llm.model, connect(wide_store), block_size=32).prefill("wide", prompt)
+        with pytest.raises(ValueError, match=r"another layout: block_size 32 \(this engine: 16\)"):
+            engine.add(wide, SamplingParams(max_tokens=4))
+        prefill = Prefiller(smollm2_llm.model, client).prefill("narrow", prompt)
+        relabelled = dataclasses.replace(prefill, layout=dataclasses.replace(prefill.layout, dtype=torch.bfloat16))
+        with pytest.raises(ValueError, match=r"dtype torch.bfloat16 \(this engine: torch.float32\)"):
+            engine.add(relabelled, SamplingParams(max_tokens=4))
+        other_kind = "minmax" if prefill.layout.summary_kind != "minmax" else "moments"
+        # The summary kind is each request's own, not the engine's.
+        engine.add(dataclasses.replace(prefill, layout=dataclasses.replace(prefill.layout, summary_kind=other_kind)),
+                   SamplingParams(max_tokens=4))
+        assert len(engine.run_to_completion()["narrow"].token_ids) == 4
+        assert store.stats().num_requests == 0
     finally:
         engine.close()
 
