@@ -39,13 +39,24 @@ def test_a_cancelled_prefill_stops_at_its_next_chunk_and_frees_its_kv(smollm2_ll
     assert store.store.stats().num_requests == 0
 
 
-def test_cancellations_remember_only_prefills_queued_or_running():
-    cancellations = Cancellations()
-    assert not cancellations.cancel("unknown")  # nothing is kept for a request that is not here
+def test_cancellations_of_prefills_queued_running_or_not_arrived_yet():
+    now = [0.0]
+    cancellations = Cancellations(remember_s=60, clock=lambda: now[0])
     with cancellations.tracking("a") as cancelled:
         assert not cancelled()
         assert cancellations.cancel("a") and cancelled()
     assert not cancellations.cancel("a")  # its prefill has ended
+    # A call still in Ray's queue, outside the worker: its cancel holds once it arrives.
+    assert not cancellations.cancel("early")
+    with cancellations.tracking("early") as cancelled:
+        assert cancelled()
+    with cancellations.tracking("early") as cancelled:  # used once
+        assert not cancelled()
+    assert not cancellations.cancel("late")
+    now[0] = 61.0  # remembered for remember_s only
+    with cancellations.tracking("late") as cancelled:
+        assert not cancelled()
+    assert not cancellations.cancel("other") and list(cancellations._before_arrival) == ["other"]  # the old ones are dropped
 
 
 def test_the_worker_cancels_a_running_and_a_queued_prefill(store):
@@ -66,6 +77,12 @@ def test_the_worker_cancels_a_running_and_a_queued_prefill(store):
             with pytest.raises(PrefillCancelled):
                 future.result(timeout=120)
     assert not worker.cancel("running")
+    assert connect(store.address, transport="tcp").stats().num_requests == 0
+    # Cancelled while its call still waited in Ray's queue (the actor runs 8 calls at once):
+    # it stops before it starts instead of running its whole prefill.
+    assert not worker.cancel("not-arrived")
+    with pytest.raises(PrefillCancelled):
+        prefill("not-arrived")
     assert connect(store.address, transport="tcp").stats().num_requests == 0
     done = worker.prefill("after", prompt[:64], {"max_tokens": 4}, store.address, 16, 1, 4)
     assert done.request_id == "after"  # the worker serves the next one
