@@ -244,6 +244,11 @@ def test_summary_throughput_goodput_and_tpot():
     assert results[0].tpot == pytest.approx(0.1) and results[1].tpot == pytest.approx(0.2)
     assert summary["mean_tpot_ms"] == pytest.approx(150.0)
     assert summary["errors"] == {"HTTP 503": 1}
+    # A one-token answer has no TPOT: left out of TPOT's statistics, and within any TPOT SLO.
+    short = _result(3, 0.1, 0.1, 1)
+    assert math.isnan(short.tpot)
+    with_short = summarize(results + [short], duration=4.0, slos={"ttft": 200, "tpot": 150}, percentiles=[90])
+    assert with_short["mean_tpot_ms"] == pytest.approx(150.0) and with_short["request_goodput"] == pytest.approx(0.5)
     series = timeline(results, duration=4.0)
     assert sum(series["output_tokens"]) == pytest.approx(22)
     assert sum(series["completed_requests"]) == pytest.approx(2)

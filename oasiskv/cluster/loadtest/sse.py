@@ -41,11 +41,11 @@ class RequestResult:
 
     @property
     def tpot(self) -> float:
-        """Mean time per output token after the first (0 for a one-token answer)."""
-        if not self.success or math.isnan(self.ttft) or self.output_tokens < 1:
+        """Mean time per output token after the first; none (NaN) for a one-token answer, which
+        has no such token, so TPOT's statistics leave it out, as vLLM's do (it was 0, and a
+        run of short answers reported a TPOT of a fraction of a millisecond)."""
+        if not self.success or math.isnan(self.ttft) or self.output_tokens <= 1:
             return math.nan
-        if self.output_tokens == 1:
-            return 0.0
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
