@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..decode_node.config import DecodeConfig
 from ..kvstore import DEFAULT_SUMMARY_KIND, SUMMARY_KINDS
@@ -13,6 +13,8 @@ from ..models.device import parse_device
 
 
 class ServeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt option must not run as the default
+
     model: str = "smollm2-135m"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..models.device import parse_device
 
@@ -12,6 +12,9 @@ Mode = Literal["dense", "sparse-current", "lookahead"]
 
 
 class DecodeConfig(BaseModel):
+    # A misspelt option (budget_token=64) ran with the default, silently.
+    model_config = ConfigDict(extra="forbid")
+
     mode: Mode = "lookahead"
     kv_pool_gb: float = Field(1.0, gt=0, description="device KV pool (HBM on a GPU, RAM here): every request's "
                                 "working set and, in the sparse modes, its key summaries")

@@ -63,3 +63,11 @@ def test_each_store_gets_its_own_port_after_the_first():
     config = _config("--store-port", "7400", "--stores", "3")
     assert [store_config(config, i)["port"] for i in range(3)] == [7400, 7401, 7402]
     assert store_config(_config(), 1)["port"] == 0  # any free port
+
+
+def test_a_misspelt_serve_option_is_refused():
+    """ServeConfig and its DecodeConfig took unknown fields and ran with the defaults."""
+    with pytest.raises(ValueError, match="store_capacity_gbb"):
+        ServeConfig(store_capacity_gbb=4)
+    with pytest.raises(ValueError, match="budget_token"):
+        ServeConfig(decode={"budget_token": 64})

@@ -400,3 +400,5 @@ def test_config_validates_early():
         DecodeConfig(draft_window_tokens=8)
     with pytest.raises(ValueError, match="draft_catch_up_budget"):
         DecodeConfig(draft_catch_up_budget=-1)
+    with pytest.raises(ValueError, match="budget_token\n.*Extra inputs are not permitted"):  # ran as the default 2048
+        DecodeConfig(budget_token=64)
