@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..models.sampling import SamplingParams
+from ..models.sampling import SamplingParams, require_known_stop_tokens
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -206,9 +206,10 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
 
 async def _serve(service: ClusterService, request: Request, body, ids: list[int], kind: str):
     params = _sampling(body, len(ids), service.max_model_len)
-    vocab = service.tokenizer.vocab_size
-    if any(not 0 <= t < vocab for t in params.stop_token_ids):
-        raise ApiError(422, f"stop_token_ids must be in [0, {vocab})", "invalid_request_error", "stop_token_ids")
+    try:
+        require_known_stop_tokens(params, service.tokenizer.vocab_size)
+    except ValueError as exc:
+        raise ApiError(422, str(exc), "invalid_request_error", "stop_token_ids") from exc
     block = service.config.decode.block_size
     if body.oasiskv_budget_tokens is not None and body.oasiskv_budget_tokens % block:
         raise ApiError(422, f"oasiskv_budget_tokens must be a multiple of the block size ({block}), got "

@@ -26,7 +26,7 @@ from ..kvstore.summary import summary_read_dtype
 from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
 from ..models.engine.stopping import OutputText, finish_reason, visible_text
-from ..models.sampling import SamplingParams, make_generator
+from ..models.sampling import SamplingParams, make_generator, require_known_stop_tokens
 from ..models.transformer import DecoderModel
 from .attention import SparseAttention, StepRequest
 from .config import DecodeConfig
@@ -171,12 +171,14 @@ class DecodeEngine:
         mode = mode or self.config.mode
         if mode not in ("dense", "sparse-current", "lookahead"):
             raise ValueError(f"mode must be dense, sparse-current or lookahead, got {mode!r}")
-        if budget_tokens is not None and (budget_tokens < self.config.block_size or budget_tokens % self.config.block_size):
+        if budget_tokens is not None and (not isinstance(budget_tokens, int) or budget_tokens < self.config.block_size
+                                          or budget_tokens % self.config.block_size):
             raise ValueError(f"budget_tokens must be a positive multiple of {self.config.block_size}, got {budget_tokens}")
         if any(r.request_id == prefill.request_id for r in (*self.waiting, *self.admitting, *self.running)):
             # Both would free the same store request when they finish, and the other would fail mid-step.
             raise ValueError(f"request {prefill.request_id!r} is already in this engine")
         self._check_layout(prefill)
+        require_known_stop_tokens(params, self.model.config.vocab_size)
         context = self.model.config.max_position_embeddings
         if len(prefill.prompt_ids) + params.max_tokens > context:
             raise RequestTooLarge(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -32,9 +33,22 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self):
+        if self.stop is None:  # vLLM's default
+            self.stop = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        self.stop = list(self.stop)
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids]
+        for name in ("max_tokens", "top_k") + (("seed",) if self.seed is not None else ()):
+            if not _is_int(getattr(self, name)):  # a float failed inside torch, not naming the field
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not 0 <= self.temperature < float("inf"):  # NaN too: it sampled from NaN
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
@@ -50,6 +64,17 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+
+def require_known_stop_tokens(params: SamplingParams, vocab_size: int) -> None:
+    """A stop token the model cannot emit would never stop anything: refused, as the API does."""
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[:5]}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

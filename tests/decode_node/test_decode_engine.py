@@ -275,6 +275,8 @@ def test_a_prefill_of_another_kv_layout_is_refused_by_name(smollm2_llm, store):
         relabelled = dataclasses.replace(prefill, layout=dataclasses.replace(prefill.layout, dtype=torch.bfloat16))
         with pytest.raises(ValueError, match=r"dtype torch.bfloat16 \(this engine: torch.float32\)"):
             engine.add(relabelled, SamplingParams(max_tokens=4))
+        with pytest.raises(ValueError, match="stop_token_ids must be in"):
+            engine.add(prefill, SamplingParams(max_tokens=4, stop_token_ids=[10**9]))
         other_kind = "minmax" if prefill.layout.summary_kind != "minmax" else "moments"
         # The summary kind is each request's own, not the engine's.
         engine.add(dataclasses.replace(prefill, layout=dataclasses.replace(prefill.layout, summary_kind=other_kind)),
@@ -335,7 +337,7 @@ def test_bad_per_request_overrides_are_refused(smollm2_llm, store, prompts):
     try:
         with pytest.raises(ValueError, match="mode must be"):
             engine.add(result, GREEDY, mode="sparse")
-        for budget in (0, 100):
+        for budget in (0, 100, 32.0):  # a float failed later, in range()
             with pytest.raises(ValueError, match="budget_tokens must be a positive multiple of 16"):
                 engine.add(result, GREEDY, budget_tokens=budget)
         assert not engine.waiting

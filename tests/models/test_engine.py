@@ -134,6 +134,10 @@ def test_misused_generate_and_chat_name_the_problem(smollm2_llm):
         smollm2_llm.chat([[{"role": "user"}]], SamplingParams(max_tokens=2))
     with pytest.raises(TypeError, match="conversation 0 must be a list"):
         smollm2_llm.chat("hi", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="stop_token_ids must be in"):  # it never stopped: ran to max_tokens
+        smollm2_llm.generate(["a"], SamplingParams(max_tokens=2, stop_token_ids=[10**9]))
+    assert not smollm2_llm.has_unfinished
+    assert len(smollm2_llm.generate(["a"], SamplingParams(max_tokens=2, stop=None))[0].token_ids) == 2
 
 
 def test_a_bad_prompt_later_in_a_batch_leaves_no_request_behind(smollm2_llm):

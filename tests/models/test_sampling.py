@@ -56,6 +56,12 @@ def test_greedy_is_argmax():
         ({"stop": [""]}, "stop"),
         ({"seed": 2**63}, "seed"),
         ({"seed": -(2**63) - 1}, "seed"),
+        # Wrong types failed inside torch (topk, manual_seed) or as a bare TypeError.
+        ({"top_k": 2.5}, "top_k must be an integer"),
+        ({"seed": 1.5}, "seed must be an integer"),
+        ({"max_tokens": 2.0}, "max_tokens must be an integer"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list"),
+        ({"stop": [1]}, "stop must be a string or a list of strings"),
     ],
 )
 def test_bad_parameters_name_the_problem(kwargs, message):
@@ -94,3 +100,19 @@ def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
     probs = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
     assert torch.equal(probs, torch.tensor([0.0, 1.0, 0.0]))
     assert sample(logits[None], [SamplingParams(temperature=1.0, top_p=top_p)], [make_generator(1)]) == [1]
+
+
+def test_none_means_none_as_in_vllm():
+    """vLLM's defaults for stop and stop_token_ids are None: SamplingParams(stop=None) raised a
+    bare TypeError, in LLM.generate too."""
+    params = SamplingParams(stop=None, stop_token_ids=None)
+    assert params.stop == [] and params.stop_token_ids == []
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+
+
+def test_stop_token_ids_the_model_cannot_emit_are_refused():
+    from oasiskv.models.sampling import require_known_stop_tokens
+
+    require_known_stop_tokens(SamplingParams(stop_token_ids=[0, 99]), 100)
+    with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 100\), got \[100, -1\]"):
+        require_known_stop_tokens(SamplingParams(stop_token_ids=[5, 100, -1]), 100)

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from ..device import require_device
 from ..attention import AttentionBatch, PagedAttention
 from ..kv_cache import KVCacheSpec, PagedKVCache
-from ..sampling import SamplingParams, make_generator, sample
+from ..sampling import SamplingParams, make_generator, require_known_stop_tokens, sample
 from .scheduler import RequestTooLarge, ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .stopping import OutputText, finish_reason, visible_text
@@ -125,6 +125,7 @@ class LLM:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str = "") -> str:
         params = params or SamplingParams()
         ids = self.encode(prompt)
+        require_known_stop_tokens(params, self.model.config.vocab_size)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestTooLarge(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
