@@ -50,7 +50,8 @@ def build_service(config: ServeConfig) -> ClusterService:
     # Key summaries: min and max in fp32 per block, layer and KV head.
     per_token += 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * 4 // config.decode.block_size
     handles = launch(config)
-    return ClusterService(config, handles, load_tokenizer(model_dir), per_token, model_config.max_position_embeddings)
+    return ClusterService(config, handles, load_tokenizer(model_dir), per_token, model_config.max_position_embeddings,
+                          eos_token_ids=model_config.eos_token_ids)
 
 
 def make_app(service: ClusterService, shutdown_cluster: bool = True):

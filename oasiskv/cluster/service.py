@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import AsyncIterator
 
 from ..decode_node.working_set import plan_rows
+from ..models.engine.stopping import OutputText, finish_reason, visible_text
 from ..models.sampling import SamplingParams
 from .config import ServeConfig
 from .launcher import HEALTH_GROUP, ClusterHandles
@@ -35,7 +36,7 @@ class Event:
 
 class ClusterService:
     def __init__(self, config: ServeConfig, handles: ClusterHandles, tokenizer, kv_bytes_per_token: int,
-                 max_model_len: int):
+                 max_model_len: int, eos_token_ids=()):
         self.config = config
         self.handles = handles
         self.tokenizer = tokenizer
@@ -43,7 +44,9 @@ class ClusterService:
         self.max_model_len = max_model_len
         self.metrics = ServingMetrics()
         self.router = Router(handles.prefill, handles.decode, handles.stores, config.max_queued_requests)
-        self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", ()))
+        # The decode engine's set (the model's and the tokenizer's), so that the prefill's token is
+        # shown as the decode worker will show it (`_first_token_text`).
+        self.eos_token_ids = set(eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
         self._poller: asyncio.Task | None = None
         self._last_bytes: dict[str, tuple[float, float]] = {}
         self._tasks: set[asyncio.Task] = set()  # started by the poll and not awaited there
@@ -238,6 +241,16 @@ class ClusterService:
                 result, asdict(params), assignment.store_address, mode, budget_tokens
             )
             decode_started = True
+            # The prefill's token goes out now, while the decode worker admits the request; it
+            # went out with the first decode step, so TTFT counted the working set's transfer and
+            # a whole step. The worker's stream repeats its text first: that many characters are cut.
+            repeated = self._first_token_text(result.first_token, params)
+            if repeated:
+                first_token_time = last_token_time = time.perf_counter()
+                m.ttft.observe(first_token_time - started)
+                token_count = 1
+                yield Event(repeated, 1)
+            repeated = len(repeated)
             while True:
                 try:
                     ref = await deadline.wait(anext(stream))
@@ -256,6 +269,9 @@ class ClusterService:
                     last_token_time = now
                     token_count = out["num_tokens"]
                 delta = out["text_delta"]  # the worker sends only what follows the text already sent
+                if repeated:
+                    cut = min(repeated, len(delta))
+                    delta, repeated = delta[cut:], repeated - cut
                 if out["finished"]:  # before the yield: the consumer may close us after it
                     status = "abort" if out["finish_reason"] == "abort" else "success"
                 if delta or out["finished"]:
@@ -282,6 +298,15 @@ class ClusterService:
                 m.generation_tokens.inc(token_count)
                 if token_count > 1 and first_token_time is not None:
                     m.tpot.observe((end - first_token_time) / (token_count - 1))
+
+    def _first_token_text(self, token: int, params: SamplingParams) -> str:
+        """The text the decode worker will show for the prefill's token: "" when that token ends
+        the request or its text is not settled yet (part of a character, or of a stop string)."""
+        if finish_reason(token, 1, params, self.eos_token_ids, False):
+            return ""
+        text, reason = visible_text(OutputText(self.tokenizer, params.skip_special_tokens), [token], params, None,
+                                    self.eos_token_ids)
+        return "" if reason else text
 
     async def _cancel(self, assignment, prefill_ref, prefilled: bool, decode_started: bool) -> None:
         """Free the request's KV wherever it is (decode pool and store, or store only). The store
