@@ -101,6 +101,9 @@ def _moment_boxes(keys: torch.Tensor, valid_tokens: int | torch.Tensor | None) -
     rows = torch.arange(keys.shape[-2], device=keys.device)
     valid = torch.as_tensor(keys.shape[-2] if valid_tokens is None else valid_tokens, device=keys.device)
     weight = (rows < valid.unsqueeze(-1)).unsqueeze(-1).float()  # [..., block_size, 1]
+    # Padding is whatever the writer's buffer held: a weight of 0 does not hide NaN or inf (0 * inf
+    # is NaN), and the whole box became NaN.
+    keys = torch.where(weight.bool(), keys, 0.0)
     count = weight.sum(dim=-2)
     mean = (keys * weight).sum(dim=-2) / count
     std = (((keys - mean.unsqueeze(-2)) ** 2 * weight).sum(dim=-2) / count).sqrt()

@@ -55,6 +55,11 @@ def test_moment_summaries_are_mean_minus_and_plus_std_over_real_tokens():
     block[:3] = torch.arange(12.0).view(3, 4)
     masked = summarize_keys(block, valid_tokens=3, kind="moments")
     torch.testing.assert_close(masked, summarize_keys(block[:3], kind="moments"))
+    # Padding is whatever the writer's buffer held: NaN or inf there made the whole box NaN.
+    for junk in (float("nan"), float("inf"), -float("inf")):
+        block[3:] = junk
+        for kind in ("moments", "minmax"):
+            torch.testing.assert_close(summarize_keys(block, valid_tokens=3, kind=kind), summarize_keys(block[:3], kind=kind))
     assert torch.equal(summarize_request(keys[None], kind="moments")[0], summaries)
 
 
