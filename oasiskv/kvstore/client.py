@@ -84,6 +84,7 @@ class KVStoreClient:
         batched transfer. Indices broadcast (e.g. one layer, many heads/blocks); dst_slots
         defaults to 0..n-1."""
         layout = self._layout(request_id)
+        _check_dtype(dst, layout, "read_blocks")
         layer_idx, head_idx, block_idx = broadcast_units(layers, kv_heads, blocks)
         offsets = _slot_offsets(dst, dst_slots, layer_idx.size, layout.unit_bytes)
         return self.transport.read(request_id, layout, layer_idx, head_idx, block_idx, dst, offsets)
@@ -92,6 +93,7 @@ class KVStoreClient:
         """Write slot src_slots[i] of src to unit (layers[i], kv_heads[i], blocks[i]); the store
         recomputes those units' key summaries. One batched transfer."""
         layout = self._layout(request_id)
+        _check_dtype(src, layout, "write_blocks")
         layer_idx, head_idx, block_idx = broadcast_units(layers, kv_heads, blocks)
         offsets = _slot_offsets(src, src_slots, layer_idx.size, layout.unit_bytes)
         return self.transport.write(request_id, layout, layer_idx, head_idx, block_idx, src, offsets)
@@ -206,6 +208,14 @@ def connect(target: Any, transport: str = "auto", timeout: float = 30.0, name: s
 
 def _is_no_nixl(exc: Exception) -> bool:
     return "does not serve NIXL" in str(exc)
+
+
+def _check_dtype(buffer, layout: KVLayout, what: str) -> None:
+    """Transports copy raw bytes: an fp32 buffer of a bf16 request was taken as bf16 KV (and its
+    summaries became inf and NaN). Raw bytes (uint8) stay allowed, as an explicit choice."""
+    if isinstance(buffer, torch.Tensor) and buffer.dtype not in (layout.dtype, torch.uint8):
+        raise InvalidArgument(f"{what}: the request's KV is {layout.dtype}, the buffer is {buffer.dtype} "
+                              "(or give raw bytes as torch.uint8)")
 
 
 def _slot_offsets(buffer: torch.Tensor, slots, n: int, unit_bytes: int) -> np.ndarray:

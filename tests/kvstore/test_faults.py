@@ -113,6 +113,12 @@ def test_bad_arguments(client):
         client.allocate("", LAYOUT, 16)
     with pytest.raises(InvalidArgument, match="float16"):
         client.read_summaries(request, dtype=torch.float16)
+    # Raw bytes of another dtype were taken as the request's KV (fp32 written into bf16).
+    wrong = torch.zeros(2, *LAYOUT.unit_shape[:-1], LAYOUT.head_dim // 2, dtype=torch.float32)  # same bytes a unit
+    for call in (client.write_blocks, client.read_blocks):
+        with pytest.raises(InvalidArgument, match="the request's KV is torch.bfloat16, the buffer is torch.float32"):
+            call(request, 0, 0, [0, 1], wrong)
+    client.read_blocks(request, 0, 0, [0, 1], unit_buffer(2).view(torch.uint8)).wait()  # raw bytes, said so
     client.free(request)
 
 
