@@ -7,6 +7,7 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GIB = 1 << 30
+MAX_CAPACITY_GB = 1 << 26
 
 
 class KVStoreConfig(BaseModel):
@@ -14,8 +15,9 @@ class KVStoreConfig(BaseModel):
 
     # Size of the preallocated arena. Give either capacity_bytes or capacity_gb; the default
     # (1 GiB) leaves plenty of a 2-core / 24 GiB machine to the model processes.
-    capacity_bytes: int = Field(default=GIB, gt=0)
-    capacity_gb: Optional[float] = Field(default=None, gt=0)
+    # At most 64 PiB: beyond that (or inf) the arena's size overflowed inside the allocator.
+    capacity_bytes: int = Field(default=GIB, gt=0, le=MAX_CAPACITY_GB * GIB)
+    capacity_gb: Optional[float] = Field(default=None, gt=0, le=MAX_CAPACITY_GB, allow_inf_nan=False)
 
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)  # 0: pick a free port

@@ -182,7 +182,8 @@ class KVStoreServer:
             self._spawn(self._serve_connection, f"kvstore-conn-{conn.peer}", conn)
 
     def _expire_loop(self) -> None:
-        interval = min(1.0, self.config.ttl_s / 4)
+        # At least 10 ms: a tiny TTL (1e-6 s) made this loop spin, 30% of a core on an idle store.
+        interval = max(0.01, min(1.0, self.config.ttl_s / 4))
         while not self._stopping.wait(interval):
             expired = self.store.expire()
             if expired:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .allocator import ExtentAllocator
-from .config import KVStoreConfig
+from .config import GIB, MAX_CAPACITY_GB, KVStoreConfig
 from .errors import BlockOutOfRange, InvalidArgument, RequestExists, StoreFull, UnknownRequest
 from .hostmem import HostBuffer, alloc_host_buffer, copy_units, merge_runs
 from .layout import CHUNK_ALIGN, KVLayout, broadcast_units
@@ -93,6 +93,8 @@ class KVStore:
         pin_memory: str = "auto",
         clock: Callable[[], float] = time.monotonic,
     ):
+        if capacity_bytes > MAX_CAPACITY_GB * GIB:  # it overflowed inside the allocator
+            raise InvalidArgument(f"capacity of {capacity_bytes} bytes is more than {MAX_CAPACITY_GB} GiB")
         capacity_bytes -= capacity_bytes % CHUNK_ALIGN
         if capacity_bytes <= 0:
             raise InvalidArgument(f"capacity must be at least {CHUNK_ALIGN} bytes")

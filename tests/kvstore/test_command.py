@@ -41,6 +41,10 @@ def test_command_rejects_bad_configuration():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "capacity_gb" in result.stderr
     assert result.stderr.count("\n") == 1 and "pydantic.dev" not in result.stderr  # one line, naming the field
+    for capacity in ("inf", "1e12"):  # OverflowError tracebacks from inside the allocator
+        result = subprocess.run([sys.executable, "-m", "oasiskv.kvstore", "--capacity-gb", capacity], cwd=REPO_ROOT,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and "capacity_gb" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_a_port_in_use_is_named_in_the_error():
