@@ -16,7 +16,7 @@ from typing import Any, Generator
 import numpy as np
 import torch
 
-from .errors import KVStoreError, StoreTimeout
+from .errors import KVStoreError, StoreTimeout, StoreUnavailable
 from .layout import KVLayout
 from .store import RequestInfo
 from .summary import QuantizedSummaries
@@ -87,14 +87,20 @@ class FutureHandle(TransferHandle):
     def done(self) -> bool:
         if not self.future.done():
             return False
-        self.future.result()
+        self._result(0)
         return True
 
     def wait(self, timeout: float | None = None) -> None:
         try:
-            self.future.result(self.timeout if timeout is None else timeout)
+            self._result(self.timeout if timeout is None else timeout)
         except concurrent.futures.TimeoutError:
             raise StoreTimeout(f"transfer of {self.num_units} units not done after {time.monotonic() - self.started:.1f}s") from None
+
+    def _result(self, timeout: float) -> None:
+        try:
+            self.future.result(timeout)
+        except concurrent.futures.CancelledError:  # a store error, as every other failure of a transfer
+            raise StoreUnavailable(f"the client was closed before this transfer of {self.num_units} units ran") from None
 
 
 class Transport(ABC):

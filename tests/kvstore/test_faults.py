@@ -437,3 +437,24 @@ def test_id_reused_for_another_geometry_is_refused_not_overrun(server, client):
         pytest.fail("stale layout not detected")
     assert backing[2:].abs().sum() == 0
     client.free(request)
+
+
+def test_transfers_a_closed_tcp_client_never_ran_fail_with_a_store_error(server):
+    """They raised concurrent.futures.CancelledError, which callers catching KVStoreError missed."""
+    client = connect(server, transport="tcp", timeout=10)
+    request = rid()
+    client.allocate(request, LAYOUT, 32)
+    src = torch.randn(2, *LAYOUT.unit_shape).to(LAYOUT.dtype)
+    handles = [client.write_blocks(request, 0, 0, [0, 1], src) for _ in range(64)]
+    client.close()
+    outcomes = []
+    for handle in handles:
+        try:
+            handle.wait()
+            outcomes.append("done")
+        except StoreUnavailable as exc:
+            assert "closed before this transfer" in str(exc)
+            outcomes.append("unavailable")
+    assert "unavailable" in outcomes  # some were still queued at close
+    with connect(server, transport="tcp") as other:
+        other.free(request)
