@@ -77,6 +77,15 @@ class KVStoreServer:
 
     def start(self) -> str:
         """Bind, start serving, return the address clients connect to ("host:port")."""
+        try:
+            return self._start()
+        except BaseException:
+            # A port in use left the NIXL agent and its poll thread running; at exit the command
+            # sometimes aborted ("terminate called without an active exception", rc 134).
+            self.stop()
+            raise
+
+    def _start(self) -> str:
         if self.config.transport == "nixl":
             from .nixl_agents import NixlTarget, nixl_available
 

@@ -458,3 +458,19 @@ def test_transfers_a_closed_tcp_client_never_ran_fail_with_a_store_error(server)
     assert "unavailable" in outcomes  # some were still queued at close
     with connect(server, transport="tcp") as other:
         other.free(request)
+
+
+@pytest.mark.skipif(not nixl_available(), reason="NIXL is not importable here")
+def test_a_start_that_fails_leaves_no_nixl_agent_running():
+    """A port in use left the NIXL agent's poll thread behind at every try (and the command
+    sometimes aborted at exit, rc 134)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        before = {t.name for t in threading.enumerate()}
+        for _ in range(3):
+            server = KVStoreServer(capacity_bytes=4 << 20, port=port, prefault=False, transport="nixl")
+            with pytest.raises(OSError):
+                server.start()
+        assert [t.name for t in threading.enumerate() if t.name not in before and t.is_alive()] == []
