@@ -72,6 +72,15 @@ class KVStoreClient:
             self._layouts.pop(request_id, None)
         self.transport.free(request_id)
 
+    def release(self, request_id: str) -> None:
+        """Say this client will not read or write the request again, while it stays allocated
+        for another client (a prefill node hands it to a decode node). A NIXL client drops its
+        block table, so a free by the other client gives the memory back at once instead of
+        after this client's next report (about a second)."""
+        with self._lock:
+            self._layouts.pop(request_id, None)
+        self.transport.release(request_id)
+
     def touch(self, request_ids: str | Iterable[str]) -> list[str]:
         """Keep requests alive past the TTL; returns the ids the store does not know."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -30,7 +30,7 @@ class InprocTransport(Transport):
     def extend(self, request_id: str, num_tokens: int) -> RequestInfo:
         return self.store.extend(request_id, num_tokens)
 
-    def describe(self, request_id: str) -> RequestInfo:
+    def describe(self, request_id: str) -> RequestInfo:  # in process, no table is held
         return self.store.describe(request_id)[0]
 
     def free(self, request_id: str) -> None:
@@ -56,7 +56,7 @@ class InprocTransport(Transport):
         return self.store.read_summaries(request_id, first_block, num_blocks, dtype)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.store.stats().__dict__, "nixl": False}
+        return {**self.store.stats().to_wire(), "nixl": False}
 
     def metrics_text(self) -> str:
         return self.store.metrics.text()

@@ -15,12 +15,16 @@ class StoreMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.capacity_bytes = Gauge("oasiskv_kvstore_capacity_bytes", "Arena size", registry=r)
-        self.used_bytes = Gauge("oasiskv_kvstore_used_bytes", "Arena bytes held by live requests", registry=r)
+        self.used_bytes = Gauge("oasiskv_kvstore_used_bytes", "Arena bytes in use: live requests, and freed ones a NIXL client may still touch", registry=r)
         self.free_bytes = Gauge("oasiskv_kvstore_free_bytes", "Arena bytes free", registry=r)
         self.live_requests = Gauge("oasiskv_kvstore_requests", "Live requests", registry=r)
         self.requests = Counter(
             "oasiskv_kvstore_requests_events", "Request lifecycle events", ["event"], registry=r
-        )  # event: allocated, freed, expired, refused
+        )  # event: allocated, freed, expired, refused, held (freed while a NIXL client held its table), hold_expired
+        self.held_requests = Gauge(
+            "oasiskv_kvstore_held_requests", "Freed requests whose memory waits for NIXL clients to drop their block table",
+            registry=r,
+        )
         self.blocks_read = Counter(
             "oasiskv_kvstore_blocks_read", "Block units read", ["transport"], registry=r
         )

@@ -15,8 +15,8 @@ Measured facts this relies on (nixl-cu12 1.5.1 on CPU, host memory):
   instead reports what it read (units, bytes per request) every ~second over the control
   plane; the store counts it and refreshes those requests' TTL.
 - When a request is freed or expires the store notifies every connected client
-  ("F<request id>") so it drops the cached block table instead of reading memory that may
-  have been reused.
+  ("F<serial>:<request id>") so it drops the cached block table; the client then says so
+  (with the serial), and only then may the memory be reused (store.py: holds).
 """
 
 from __future__ import annotations
@@ -71,6 +71,19 @@ def make_agent(name: str):
     return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
 
 
+def release_notice(request_id: str, serial: int) -> bytes:
+    return b"F%d:%s" % (serial, request_id.encode())
+
+
+def parse_release_notice(message: bytes) -> tuple[int, str] | None:
+    if not message.startswith(b"F"):
+        return None
+    serial, sep, request_id = message[1:].partition(b":")
+    if not sep or not serial.isdigit():
+        return None
+    return int(serial), request_id.decode()
+
+
 class NixlTarget:
     """Store side: owns the agent that exposes the arena."""
 
@@ -83,7 +96,7 @@ class NixlTarget:
         self.metadata: bytes = self.agent.get_agent_metadata()
         self.peers: dict[str, int] = {}  # client agent name -> open connections using it
         # Free notices are sent by the poll thread, so free() never waits on the network.
-        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._released: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._poll_interval = poll_interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="kvstore-nixl", daemon=True)
@@ -134,13 +147,13 @@ class NixlTarget:
                 self.store.metrics.errors.labels("NixlProgress").inc()
                 time.sleep(0.1)
 
-    def _on_release(self, request_id: str) -> None:
-        self._released.put(request_id)
+    def _on_release(self, request_id: str, serial: int) -> None:
+        self._released.put(release_notice(request_id, serial))
 
     def _send_release_notices(self) -> None:
         while True:
             try:
-                message = b"F" + self._released.get_nowait().encode()
+                message = self._released.get_nowait()
             except queue.Empty:
                 return
             with self.lock:
@@ -221,15 +234,16 @@ class NixlInitiator:
                     log.debug("remove_remote_agent: %s", exc)
                 self.remote = None
 
-    def drain_notifications(self) -> list[str]:
-        """Request ids the store says were freed."""
+    def drain_notifications(self) -> list[tuple[int, str]]:
+        """(serial, request id) of the allocations the store says were freed."""
         with self.lock:
             notifs = self.agent.get_new_notifs()
         freed = []
         for messages in notifs.values():
             for message in messages:
-                if message.startswith(b"F"):
-                    freed.append(message[1:].decode())
+                notice = parse_release_notice(message)
+                if notice is not None:
+                    freed.append(notice)
         return freed
 
     def post(self, op: str, local: torch.Tensor, local_offsets: np.ndarray, remote_offsets: np.ndarray,

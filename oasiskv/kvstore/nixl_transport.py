@@ -1,17 +1,23 @@
 """NIXL transport: TCP control plane, one-sided NIXL READ/WRITE data plane.
 
 A client learns the store's agent metadata and arena base address in the handshake and, per
-request, the block table (cached; dropped when the store says the request was freed). It then
-computes every unit's remote address itself and moves a whole batch with one transfer. See
-nixl_agents.py for the measured facts behind the choices.
+request, the block table (cached). It then computes every unit's remote address itself and moves
+a whole batch with one transfer. See nixl_agents.py for the measured facts behind the choices.
+
+The store keeps a freed request's memory until this client says it dropped the table (store.py:
+holds). The client says so, with the next read report, once it has the store's free notice and
+no transfer it started on that request is still running; it forgets every table before each
+hello, since notices sent while it was disconnected are lost.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import queue
 import threading
 import uuid
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable
 
@@ -35,8 +41,9 @@ __all__ = ["NixlHandle", "NixlTransport", "nixl_available"]
 class NixlHandle(TransferHandle):
     """A NIXL transfer; a write also waits for the store to summarize what landed."""
 
-    def __init__(self, transport: "NixlTransport", xfer: Any, state: str, transient: Any, num_units: int,
-                 nbytes: int, keepalive: torch.Tensor, commit: Callable[[], concurrent.futures.Future] | None):
+    def __init__(self, transport: "NixlTransport", request_id: str, xfer: Any, state: str, transient: Any,
+                 num_units: int, nbytes: int, keepalive: torch.Tensor,
+                 commit: Callable[[], concurrent.futures.Future] | None):
         super().__init__(num_units, nbytes, transport.timeout)
         self._transport = transport
         self._xfer = xfer
@@ -47,6 +54,9 @@ class NixlHandle(TransferHandle):
         self._commit_future: concurrent.futures.Future | None = None
         self._error: KVStoreError | None = None
         self._finished = False
+        # A handle dropped unfinished is settled by the transport's report thread (not here: the
+        # collector may run while this thread holds the agent's lock).
+        self._orphan = weakref.finalize(self, transport.orphans.put, (xfer, transient, request_id))
 
     def done(self) -> bool:
         if self._error is not None:
@@ -61,8 +71,7 @@ class NixlHandle(TransferHandle):
                 state = f"ERR ({type(exc).__name__}: {exc})"
             if state == "PROC":
                 return False
-            initiator.release(self._xfer, self._transient)
-            self._xfer = self._transient = None
+            self._settle()
             if state != "DONE":
                 self._transport.forget_all()
                 self._fail(TransferError(
@@ -90,9 +99,18 @@ class NixlHandle(TransferHandle):
             super().wait(timeout)
         except StoreTimeout:
             if self._xfer is not None:  # abort: NIXL cancels an unfinished transfer on release
-                self._transport.initiator.release(self._xfer, self._transient)
-                self._xfer = self._transient = None
+                self._settle()
             raise
+
+    def _settle(self) -> None:
+        """The transfer is over (or cancelled): release it; the request's table may be dropped."""
+        detached = self._orphan.detach()
+        self._xfer = self._transient = None
+        if detached is None:  # settled already
+            return
+        xfer, transient, request_id = detached[2][0]
+        self._transport.initiator.release(xfer, transient)
+        self._transport.transfer_ended(request_id)
 
     def _fail(self, error: KVStoreError) -> None:
         self._error = error
@@ -109,10 +127,15 @@ class NixlTransport(TcpTransport):
         client_name = client_name or f"oasiskv-client-{uuid.uuid4().hex[:12]}"
         self.initiator = NixlInitiator(client_name)
         self._tables: OrderedDict[str, tuple[RequestInfo, np.ndarray]] = OrderedDict()
-        self._tables_lock = threading.Lock()
+        self._tables_lock = threading.Lock()  # guards the tables, transfers in flight and pending releases
+        self._in_flight: dict[str, int] = {}  # request id -> transfers started and not settled
+        self._unreleased: dict[int, str] = {}  # serial of a freed allocation -> its request id
+        self._done_with: list[str] = []  # requests this client will not touch again (release())
+        self.orphans: queue.SimpleQueue[tuple[Any, Any, str]] = queue.SimpleQueue()
         self._reads: dict[str, list[int]] = {}  # request id -> [units, bytes] not yet reported
         self._reads_lock = threading.Lock()
         self._stop_reports = threading.Event()
+        self._reporter: threading.Thread | None = None
         super().__init__(address, timeout, client_name)
         self.restart_listeners.append(self.forget_all)
         if not self.hello.get("nixl"):
@@ -124,6 +147,12 @@ class NixlTransport(TcpTransport):
         self._reporter.start()
 
     def _hello_request(self) -> tuple[dict[str, Any], list[Any]]:
+        # The store drops this client's holds on hello: free notices sent while it was away are
+        # lost, so every cached table goes now, and with it what was still to be released.
+        with self._tables_lock:
+            self._tables.clear()
+            self._unreleased.clear()
+            self._done_with.clear()
         header, _ = super()._hello_request()
         return {**header, "nixl": True}, [self.initiator.metadata]
 
@@ -143,8 +172,19 @@ class NixlTransport(TcpTransport):
         return super().extend(request_id, num_tokens)
 
     def free(self, request_id: str) -> None:
-        self.forget(request_id)
-        super().free(request_id)
+        with self._tables_lock:
+            self._tables.pop(request_id, None)
+            idle = not self._in_flight.get(request_id)
+        # Idle: this client's table is gone and nothing of its own is in flight, so the store may
+        # reuse the memory at once; otherwise it waits for this client's release after the notice.
+        self._call({"op": "free", "rid": request_id, "forgotten": idle})
+
+    def release(self, request_id: str) -> None:
+        """This client will not touch the request again (it stays allocated for others)."""
+        with self._tables_lock:
+            self._tables.pop(request_id, None)
+            self._done_with.append(request_id)
+        self._report_reads(wait=False)  # now, not at the next report
 
     def register(self, tensor: torch.Tensor) -> None:
         self.initiator.register(tensor)
@@ -168,15 +208,50 @@ class NixlTransport(TcpTransport):
         with self._tables_lock:
             self._tables.clear()
 
+    def transfer_ended(self, request_id: str) -> None:
+        with self._tables_lock:
+            left = self._in_flight.get(request_id, 0) - 1
+            if left > 0:
+                self._in_flight[request_id] = left
+            else:
+                self._in_flight.pop(request_id, None)
+
+    def _take_notices(self) -> None:
+        for serial, request_id in self.initiator.drain_notifications():
+            with self._tables_lock:
+                self._tables.pop(request_id, None)
+                self._unreleased[serial] = request_id
+
+    def _releases(self) -> tuple[list[int], list[str]]:
+        """Freed allocations whose table this client no longer uses, and requests it is done with."""
+        with self._tables_lock:
+            serials = [s for s, r in self._unreleased.items() if not self._in_flight.get(r)]
+            for serial in serials:
+                # Again: a describe that raced the notice may have cached the table after it.
+                self._tables.pop(self._unreleased.pop(serial), None)
+            done = [r for r in self._done_with if not self._in_flight.get(r)]
+            self._done_with = [r for r in self._done_with if self._in_flight.get(r)]
+        return serials, done
+
+    def _settle_orphans(self) -> None:
+        while True:
+            try:
+                xfer, transient, request_id = self.orphans.get_nowait()
+            except queue.Empty:
+                return
+            self.initiator.release(xfer, transient)
+            self.transfer_ended(request_id)
+
     def _table(self, request_id: str, needed_blocks: int) -> tuple[RequestInfo, np.ndarray]:
-        for freed in self.initiator.drain_notifications():
-            self.forget(freed)
+        """The request's block table; the caller has counted its transfer in _in_flight, so a
+        release for this request waits until that transfer is over."""
+        self._take_notices()
         with self._tables_lock:
             cached = self._tables.get(request_id)
             if cached is not None:
                 self._tables.move_to_end(request_id)
         if cached is None or cached[1].size < needed_blocks:
-            cached = self.describe_table(request_id)
+            cached = self.describe_table(request_id, hold=True)
             with self._tables_lock:
                 self._tables[request_id] = cached
                 while len(self._tables) > self.MAX_CACHED_TABLES:
@@ -194,7 +269,22 @@ class NixlTransport(TcpTransport):
         return self._transfer("WRITE", request_id, layout, layers, heads, blocks, buffer, offsets)
 
     def _transfer(self, op: str, request_id: str, layout: KVLayout, layers: np.ndarray, heads: np.ndarray,
-                  blocks: np.ndarray, buffer: torch.Tensor, offsets: np.ndarray, retry: bool = True) -> TransferHandle:
+                  blocks: np.ndarray, buffer: torch.Tensor, offsets: np.ndarray) -> TransferHandle:
+        # Counted before the table is looked up: a free notice taken from now on is not released
+        # to the store until this transfer is over (the table it uses may be stale).
+        with self._tables_lock:
+            self._in_flight[request_id] = self._in_flight.get(request_id, 0) + 1
+        try:
+            handle = self._post(op, request_id, layout, layers, heads, blocks, buffer, offsets)
+        except BaseException:
+            self.transfer_ended(request_id)
+            raise
+        if not isinstance(handle, NixlHandle):
+            self.transfer_ended(request_id)
+        return handle
+
+    def _post(self, op: str, request_id: str, layout: KVLayout, layers: np.ndarray, heads: np.ndarray,
+              blocks: np.ndarray, buffer: torch.Tensor, offsets: np.ndarray, retry: bool = True) -> TransferHandle:
         n = layers.size
         info, table = self._table(request_id, int(blocks.max()) + 1 if n else 0)
         if info.layout.unit_bytes != layout.unit_bytes:  # the id was reused for another geometry
@@ -227,7 +317,7 @@ class NixlTransport(TcpTransport):
                 # Reconnect through the control plane (StoreUnavailable if the store is gone; a
                 # restarted store's new agent otherwise), then try once more with fresh tables.
                 self._call({"op": "ping"})
-                return self._transfer(op, request_id, layout, layers, heads, blocks, buffer, offsets, retry=False)
+                return self._post(op, request_id, layout, layers, heads, blocks, buffer, offsets, retry=False)
             error = StoreUnavailable if "Disconnect" in type(exc).__name__ else TransferError
             raise error(f"NIXL {op} to store at {self.address} failed: {type(exc).__name__}: {exc}", address=self.address) from None
         if op == "READ":
@@ -235,20 +325,28 @@ class NixlTransport(TcpTransport):
                 counts = self._reads.setdefault(request_id, [0, 0])
                 counts[0] += n
                 counts[1] += n * unit
-        return NixlHandle(self, xfer, state, transient, n, n * unit, buffer, commit)
+        return NixlHandle(self, request_id, xfer, state, transient, n, n * unit, buffer, commit)
 
     def _report_loop(self) -> None:
         while not self._stop_reports.wait(self._report_interval):
+            try:
+                self._settle_orphans()
+                self._take_notices()  # also when idle: undrained notices pile up in the store
+            except nixl_errors() as exc:
+                log.debug("NIXL notifications not taken: %s", exc)
             self._report_reads(wait=False)
 
-    def _report_reads(self, wait: bool) -> None:
-        """Tell the store what was read since the last report (metrics + TTL refresh)."""
+    def _report_reads(self, wait: bool, closing: bool = False) -> None:
+        """Tell the store what was read since the last report (metrics + TTL refresh) and which
+        block tables this client dropped (the store may then reuse that memory)."""
         with self._reads_lock:
             reads, self._reads = self._reads, {}
-        if not reads:
+        released, done = self._releases()
+        if not (reads or released or done or closing):
             return
+        header = {"op": "report", "reads": reads, "released": released, "done": done, "closing": closing}
         try:
-            future = self._submit({"op": "report", "reads": reads}, [], None)
+            future = self._submit(header, [], None)
             if wait:
                 future.result(2 * self.timeout)
         except (KVStoreError, concurrent.futures.TimeoutError) as exc:
@@ -258,6 +356,9 @@ class NixlTransport(TcpTransport):
         if self._closed:
             return
         self._stop_reports.set()
-        self._report_reads(wait=True)
+        if self._reporter is not None:
+            self._reporter.join(timeout=2 * self.timeout)
+        self._settle_orphans()
+        self._report_reads(wait=True, closing=True)
         super().close()
         self.initiator.close()

@@ -27,7 +27,7 @@ MAGIC = b"OKV1"
 PREFIX = struct.Struct("!4sIQ")
 MAX_HEADER_BYTES = 1 << 20
 MAX_PAYLOAD_BYTES = 1 << 40
-VERSION = 1
+VERSION = 2
 
 
 class ConnectionClosed(Exception):

@@ -287,6 +287,8 @@ class KVStoreServer:
             metadata = payload.read_bytes(payload.remaining)
             if metadata:
                 conn.nixl_peer = self.nixl.add_peer(bytes(metadata))
+                # A client forgets every block table before it says hello (again).
+                self.store.release_holds(conn.nixl_peer, everything=True)
             reply["nixl"] = {
                 "agent": self.nixl.name,
                 "arena_base": self.store.base,
@@ -304,11 +306,12 @@ class KVStoreServer:
         return {"info": info.to_wire()}, []
 
     def _describe(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
-        info, table = self.store.describe(str(header["rid"]))
+        info, table = self.store.describe(str(header["rid"]), conn.nixl_peer if header.get("hold") else None)
         return {"info": info.to_wire()}, [table.astype("<i8").tobytes()]
 
     def _free(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
-        self.store.free(str(header["rid"]))
+        # "forgotten": a NIXL client that frees a request it no longer touches needs no notice.
+        self.store.free(str(header["rid"]), conn.nixl_peer if header.get("forgotten") else None)
         return {}, []
 
     def _touch(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
@@ -316,7 +319,7 @@ class KVStoreServer:
 
     def _stats(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
         stats = self.store.stats()
-        return {"stats": {**stats.__dict__, "store_id": self.store_id, "nixl": self.serves_nixl}}, []
+        return {"stats": {**stats.to_wire(), "store_id": self.store_id, "nixl": self.serves_nixl}}, []
 
     def _read(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> None:
         n = _count(header)
@@ -361,11 +364,15 @@ class KVStoreServer:
         return {}, []
 
     def _report(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
-        """A NIXL client's tally of one-sided reads: count them and refresh the requests' TTL."""
-        reads = header["reads"]
+        """A NIXL client's tally of one-sided reads (counted; the requests' TTL refreshed) and the
+        block tables it dropped: those of freed allocations (serials) and of requests it is done with."""
+        reads = header.get("reads") or {}
         for units, nbytes in reads.values():
             self.store.record_read(int(units), int(nbytes), "nixl")
         self.store.touch([str(r) for r in reads])
+        if conn.nixl_peer is not None:
+            self.store.release_holds(conn.nixl_peer, [int(s) for s in header.get("released") or ()],
+                                     [str(r) for r in header.get("done") or ()], bool(header.get("closing")))
         return {}, []
 
     def _summaries(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:

@@ -3,16 +3,25 @@
 Transport-free: the TCP/NIXL server and the in-process transport all call these methods.
 Thread-safe: bookkeeping happens under one lock, copies happen outside it while the request is
 *pinned*, and a request freed while pinned gives its memory back when the last pin goes.
+
+A NIXL client reads and writes the arena one-sided, through a block table it cached; the store
+cannot check those accesses. So a request whose table a NIXL client holds (its *holders*) is
+*held* when freed: its memory is reused only once every holder has said it dropped the table
+(after the store's free notice), reconnected (a client forgets every table then), or stayed
+silent for hold_s. Otherwise a stale table made a client read or overwrite the next owner's KV.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
+import logging
+import secrets
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -26,6 +35,11 @@ from .metrics import StoreMetrics
 from .summary import QuantizedSummaries, read_as, summarize_keys, summary_read_dtype
 
 MAX_REQUEST_ID_LEN = 256
+# Live NIXL clients drop a freed request's table within about a second; a holder silent this long
+# has died with it (or is stuck), and the memory goes back to the allocator.
+MAX_HOLD_S = 60.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,8 +76,11 @@ class _Request:
     num_tokens: int
     table: np.ndarray  # int64 arena offset of each block's chunk
     last_used: float
+    serial: int = 0  # tells this allocation from a later one under the same id
     pins: int = 0
-    dead: bool = False  # freed or expired while pinned
+    dead: bool = False  # freed or expired
+    holders: set[str] = field(default_factory=set)  # NIXL clients that cached its block table
+    hold_deadline: float = 0.0
 
     def info(self) -> RequestInfo:
         return RequestInfo(
@@ -80,6 +97,10 @@ class StoreStats:
     num_requests: int
     free_extents: int
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_wire(self) -> dict[str, Any]:
+        data = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        return {**data, **self.extra}
 
 
 class KVStore:
@@ -108,9 +129,14 @@ class KVStore:
         self.allocator = ExtentAllocator(capacity_bytes, CHUNK_ALIGN)
         self.metrics = StoreMetrics(capacity_bytes)
         self._requests: dict[str, _Request] = {}
+        self._held: dict[int, _Request] = {}  # serial -> retired request a NIXL client may still touch
+        self.hold_s = min(ttl_s, MAX_HOLD_S)
+        # A random start: a client's release of a serial from a store that restarted must not
+        # match one of this store's.
+        self._serials = itertools.count(secrets.randbits(40) + 1)
         self._lock = threading.Lock()
-        # Called with a request id after it is freed or expires (NIXL tells its clients).
-        self.release_listeners: list[Callable[[str], None]] = []
+        # Called with (request id, serial) after it is freed or expires (NIXL tells its clients).
+        self.release_listeners: list[Callable[[str, int], None]] = []
 
     @classmethod
     def from_config(cls, config: KVStoreConfig) -> "KVStore":
@@ -141,7 +167,7 @@ class KVStore:
                 raise StoreFull(f"request {request_id!r}: {exc.message}", request_id=request_id, **exc.fields) from None
             # Cleared before anyone can see the request, so no write's summary gets wiped.
             self._clear_summaries(layout, table)
-            request = _Request(request_id, layout, int(num_tokens), table, self.clock())
+            request = _Request(request_id, layout, int(num_tokens), table, self.clock(), next(self._serials))
             self._requests[request_id] = request
             self.metrics.requests.labels("allocated").inc()
             self._update_gauges()
@@ -171,19 +197,46 @@ class KVStore:
             self._update_gauges()
             return request.info()
 
-    def describe(self, request_id: str) -> tuple[RequestInfo, np.ndarray]:
-        """The request's info and a copy of its block table (for one-sided NIXL access)."""
+    def describe(self, request_id: str, holder: str | None = None) -> tuple[RequestInfo, np.ndarray]:
+        """The request's info and a copy of its block table. A holder (a NIXL client, which will
+        access the arena one-sided through the table) keeps the memory from reuse after a free
+        until it releases the table."""
         with self._lock:
             request = self._get(request_id)
             request.last_used = self.clock()
+            if holder is not None:
+                request.holders.add(holder)
             return request.info(), request.table.copy()
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, releasing: str | None = None) -> None:
+        """Free a request. releasing: a holder that frees it and has already dropped its table."""
         with self._lock:
             request = self._get(request_id)
+            if releasing is not None:
+                request.holders.discard(releasing)
             self._retire(request)
             self.metrics.requests.labels("freed").inc()
-        self._notify_released(request_id)
+        self._notify_released(request)
+
+    def release_holds(self, holder: str, serials: Iterable[int] = (), request_ids: Iterable[str] = (),
+                      everything: bool = False) -> None:
+        """A NIXL client dropped the tables of these freed allocations (serials from the free
+        notices), of these requests (freed or not), or every table (it reconnected)."""
+        with self._lock:
+            touched = [self._held[s] for s in serials if s in self._held]
+            ids = set(request_ids)
+            if ids:
+                touched += [r for r in self._held.values() if r.request_id in ids]
+                touched += [self._requests[i] for i in ids if i in self._requests]
+            if everything:
+                touched = [*self._held.values(), *self._requests.values()]
+            for request in touched:
+                request.holders.discard(holder)
+                self._release_if_unused(request)
+
+    def held_requests(self) -> int:
+        with self._lock:
+            return len(self._held)
 
     def touch(self, request_ids: list[str]) -> list[str]:
         """Refresh the TTL of live requests; returns the ids that are not live."""
@@ -207,14 +260,15 @@ class KVStore:
                 self._retire(request)
                 self.metrics.requests.labels("expired").inc()
         for request in expired:
-            self._notify_released(request.request_id)
+            self._notify_released(request)
+        self._end_overdue_holds()
         return [r.request_id for r in expired]
 
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(
                 self.capacity_bytes, self.allocator.used_bytes, self.allocator.free_bytes,
-                len(self._requests), self.allocator.num_extents,
+                len(self._requests), self.allocator.num_extents, {"held_requests": len(self._held)},
             )
 
     # --- data plane ----------------------------------------------------------------------
@@ -231,8 +285,7 @@ class KVStore:
         finally:
             with self._lock:
                 request.pins -= 1
-                if request.dead and request.pins == 0:
-                    self._release_chunks(request)
+                self._release_if_unused(request)
 
     def unit_offsets(self, request: _Request, layers, heads, blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Validated unit indices and their arena byte offsets."""
@@ -341,19 +394,36 @@ class KVStore:
     def _retire(self, request: _Request) -> None:
         del self._requests[request.request_id]
         request.dead = True
-        if request.pins == 0:
-            self._release_chunks(request)
+        if request.holders:
+            request.hold_deadline = self.clock() + self.hold_s
+            self._held[request.serial] = request
+            self.metrics.requests.labels("held").inc()
+        self._release_if_unused(request)
         self._update_gauges()
 
-    def _release_chunks(self, request: _Request) -> None:
-        self.allocator.release(request.table, request.layout.chunk_bytes)
-        request.table = np.zeros(0, np.int64)
-        self._update_gauges()
+    def _release_if_unused(self, request: _Request) -> None:
+        if request.dead and request.pins == 0 and not request.holders and request.table.size:
+            self._held.pop(request.serial, None)
+            self.allocator.release(request.table, request.layout.chunk_bytes)
+            request.table = np.zeros(0, np.int64)
+            self._update_gauges()
+
+    def _end_overdue_holds(self) -> None:
+        now = self.clock()
+        with self._lock:
+            overdue = [r for r in self._held.values() if r.hold_deadline < now]
+            for request in overdue:
+                log.warning("request %r: NIXL clients %s did not drop its block table within %.0f s of its free; "
+                            "reusing its memory", request.request_id, sorted(request.holders), self.hold_s)
+                request.holders.clear()
+                self.metrics.requests.labels("hold_expired").inc()
+                self._release_if_unused(request)
 
     def _update_gauges(self) -> None:
         self.metrics.used_bytes.set(self.allocator.used_bytes)
         self.metrics.free_bytes.set(self.allocator.free_bytes)
         self.metrics.live_requests.set(len(self._requests))
+        self.metrics.held_requests.set(len(self._held))
 
     def _clear_summaries(self, layout: KVLayout, chunks: np.ndarray) -> None:
         # Reused chunks hold an old request's summaries; zeros score 0 until the block is written.
@@ -361,10 +431,10 @@ class KVStore:
         for start in (chunks + self.base + layout.kv_bytes_per_block).tolist():
             ctypes.memset(start, 0, size)
 
-    def _notify_released(self, request_id: str) -> None:
+    def _notify_released(self, request: _Request) -> None:
         for listener in list(self.release_listeners):
             try:
-                listener(request_id)
+                listener(request.request_id, request.serial)
             except Exception:  # a listener must never break free()
                 pass
 

@@ -82,8 +82,10 @@ class TcpTransport(Transport):
     def describe(self, request_id: str) -> RequestInfo:
         return self.describe_table(request_id)[0]
 
-    def describe_table(self, request_id: str) -> tuple[RequestInfo, np.ndarray]:
-        reply, data = self._call({"op": "describe", "rid": request_id})
+    def describe_table(self, request_id: str, hold: bool = False) -> tuple[RequestInfo, np.ndarray]:
+        """hold: a NIXL client will access the arena through this table (the store then keeps a
+        freed request's memory until the client releases it)."""
+        reply, data = self._call({"op": "describe", "rid": request_id, "hold": hold})
         return RequestInfo.from_wire(reply["info"]), np.frombuffer(data, dtype="<i8").astype(np.int64)
 
     def free(self, request_id: str) -> None:

@@ -150,5 +150,9 @@ class Transport(ABC):
     def unregister(self, tensor: torch.Tensor) -> None:
         pass
 
+    def release(self, request_id: str) -> None:
+        """This client is done with the request (others may still use it). Only NIXL clients
+        hold anything: the block table the store must not reuse memory under."""
+
     def close(self) -> None:
         pass

@@ -129,5 +129,6 @@ class Prefiller:
         except BaseException:
             self.client.free(request_id)
             raise
+        self.client.release(request_id)  # the decode node takes it over; its free reuses the memory at once
         written = num_blocks * config.num_layers * config.num_kv_heads * layout.unit_bytes
         return PrefillResult(request_id, list(prompt_ids), first, layout, selection, written)

@@ -270,6 +270,9 @@ class OasisKVConnector(KVConnectorBase_V1):
                 handle.wait()
             except Exception as exc:
                 self._fail(save, exc)
+        for save in {save.store_request_id: save for save, _handle, _buffer in pending}.values():
+            if save.store_request_id not in self._failed:  # the decode node takes it over
+                self._clients[save.store_address].release(save.store_request_id)
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         for save in getattr(meta, "saves", []):
             self._allocated.discard(save.store_request_id)

@@ -1,0 +1,186 @@
+"""A NIXL client reads and writes the arena one-sided through block tables it cached. The store
+must not hand a freed request's memory to another request while a client may still use such a
+table: it holds the memory until the client releases the table, reconnects, or times out."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import torch
+
+from oasiskv.kvstore import KVStoreServer, UnknownRequest, connect
+from oasiskv.kvstore.nixl_transport import nixl_available
+
+from .helpers import LAYOUT
+
+pytestmark = pytest.mark.skipif(not nixl_available(), reason="nixl not importable")
+
+TOKENS = 64  # 4 blocks
+
+
+def rid() -> str:
+    return f"h-{uuid.uuid4().hex[:8]}"
+
+
+def filled(value: float, n: int = 1) -> torch.Tensor:
+    return torch.full((n, *LAYOUT.unit_shape), value, dtype=LAYOUT.dtype)
+
+
+def held(client) -> int:
+    return int(client.stats().extra["held_requests"])
+
+
+def wait_until(condition, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@pytest.fixture
+def slow_notice_server():
+    # Free notices go out once a second: a client acts on a stale table for that long.
+    srv = KVStoreServer(capacity_bytes=8 << 20, prefault=False, nixl_poll_interval_s=1.0)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def server():
+    srv = KVStoreServer(capacity_bytes=8 << 20, prefault=False, ttl_s=600)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_a_stale_nixl_write_does_not_land_in_the_next_requests_memory(slow_notice_server):
+    owner = connect(slow_notice_server, transport="tcp")
+    writer = connect(slow_notice_server, transport="nixl")
+    try:
+        old, new = rid(), rid()
+        owner.allocate(old, LAYOUT, TOKENS)
+        writer.write_blocks(old, 0, 0, 0, filled(1.0)).wait()  # caches old's block table
+        owner.free(old)
+        owner.allocate(new, LAYOUT, TOKENS)  # the same size: the freed chunks would fit it exactly
+        owner.write_blocks(new, 0, 0, 0, filled(7.0)).wait()
+        try:  # the free notice is not there yet: the writer still uses old's table
+            writer.write_blocks(old, 0, 0, 0, filled(99.0)).wait()
+        except UnknownRequest:
+            pass  # its commit (or a fresh table) found old freed
+        back = torch.zeros(1, *LAYOUT.unit_shape, dtype=LAYOUT.dtype)
+        owner.read_blocks(new, 0, 0, 0, back).wait()
+        assert torch.equal(back, filled(7.0)), "a stale table overwrote another request's KV"
+    finally:
+        owner.close()
+        writer.close()
+
+
+def test_freed_memory_comes_back_once_the_nixl_client_holding_its_table_lets_go(server):
+    owner = connect(server, transport="tcp")
+    reader = connect(server, transport="nixl")
+    try:
+        request = rid()
+        owner.allocate(request, LAYOUT, TOKENS)
+        reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
+        owner.free(request)
+        assert held(owner) == 1  # the reader has not seen the free notice yet
+        assert owner.stats().used_bytes > 0
+        assert wait_until(lambda: held(owner) == 0, 5.0), "the reader never released the freed request's table"
+        assert owner.stats().used_bytes == 0
+        with pytest.raises(UnknownRequest):
+            reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
+    finally:
+        owner.close()
+        reader.close()
+
+
+def test_a_nixl_client_that_frees_its_own_request_gives_the_memory_back_at_once(server):
+    client = connect(server, transport="nixl")
+    try:
+        request = rid()
+        client.allocate(request, LAYOUT, TOKENS)
+        client.write_blocks(request, 0, 0, 0, filled(3.0)).wait()
+        client.free(request)
+        stats = client.stats()
+        assert (stats.used_bytes, stats.extra["held_requests"]) == (0, 0)
+    finally:
+        client.close()
+
+
+def test_a_released_request_is_freed_by_another_client_without_waiting(server):
+    prefill = connect(server, transport="nixl")
+    decode = connect(server, transport="nixl")
+    try:
+        request = rid()
+        prefill.allocate(request, LAYOUT, TOKENS)
+        prefill.write_blocks(request, 0, 0, 0, filled(5.0)).wait()
+        prefill.release(request)
+        back = filled(0.0)
+        decode.read_blocks(request, 0, 0, 0, back).wait()
+        assert torch.equal(back, filled(5.0))
+        time.sleep(0.2)  # the release travels on its own
+        decode.free(request)
+        assert (held(decode), decode.stats().used_bytes) == (0, 0)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_nixl_client_that_reconnects_holds_nothing(server):
+    owner = connect(server, transport="tcp")
+    reader = connect(server, transport="nixl")
+    try:
+        request = rid()
+        owner.allocate(request, LAYOUT, TOKENS)
+        reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
+        reader.transport._stop_reports.set()  # no releases: only the reconnect can end the hold
+        reader.transport._reporter.join()
+        reader.transport._executor.submit(reader.transport._drop).result()  # the connection is lost
+        owner.free(request)
+        assert held(owner) == 1
+        reader.stats()  # reconnects: the hello drops every table the reader had
+        assert held(owner) == 0
+        with pytest.raises(UnknownRequest):
+            reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
+    finally:
+        owner.close()
+        reader.close()
+
+
+def test_the_hold_of_a_nixl_client_that_died_ends_after_the_hold_time():
+    srv = KVStoreServer(capacity_bytes=8 << 20, prefault=False, ttl_s=2.0)  # holds last min(ttl, 60 s)
+    srv.start()
+    owner = connect(srv, transport="tcp")
+    script = textwrap.dedent(f"""
+        import sys, torch
+        from oasiskv.kvstore import connect
+        from tests.kvstore.helpers import LAYOUT
+        client = connect({srv.address!r}, transport="nixl")
+        client.read_blocks(sys.argv[1], 0, 0, 0, torch.zeros(1, *LAYOUT.unit_shape, dtype=LAYOUT.dtype)).wait()
+        print("read", flush=True)
+        sys.stdin.read()
+    """)
+    try:
+        request = rid()
+        owner.allocate(request, LAYOUT, TOKENS)
+        reader = subprocess.Popen([sys.executable, "-c", script, request], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True)
+        assert reader.stdout.readline().strip() == "read"
+        reader.kill()
+        reader.wait()
+        owner.free(request)
+        assert held(owner) == 1
+        assert wait_until(lambda: held(owner) == 0, 8.0)
+        assert owner.stats().used_bytes == 0
+        assert 'oasiskv_kvstore_requests_events_total{event="hold_expired"} 1.0' in owner.metrics_text()
+    finally:
+        owner.close()
+        srv.stop()
