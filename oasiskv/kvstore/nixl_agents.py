@@ -106,7 +106,17 @@ class NixlTarget:
     def add_peer(self, metadata: bytes) -> str:
         """Load a client agent's metadata (so free notices reach it); one count per connection."""
         with self.lock:
-            name = self.agent.add_remote_agent(metadata)  # loading a known agent again is fine
+            try:
+                name = self.agent.add_remote_agent(metadata)  # loading a known agent again is fine
+            except nixl_errors() as exc:
+                if "NOT_ALLOWED" not in str(exc):
+                    raise
+                # Another agent already has this name: the holds and free notices of the two
+                # clients could not be told apart.
+                raise InvalidArgument(
+                    "a NIXL client with this name is already connected to this store; give each client "
+                    "its own name (connect(..., name=...)) or leave it unset"
+                ) from None
             name = name.decode() if isinstance(name, bytes) else name
             self.peers[name] = self.peers.get(name, 0) + 1
             return name

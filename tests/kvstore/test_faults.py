@@ -474,3 +474,17 @@ def test_a_start_that_fails_leaves_no_nixl_agent_running():
             with pytest.raises(OSError):
                 server.start()
         assert [t.name for t in threading.enumerate() if t.name not in before and t.is_alive()] == []
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl not importable")
+def test_a_second_nixl_client_with_a_taken_name_is_refused_by_name(server):
+    first = connect(server.address, transport="nixl", name=f"worker-{uuid.uuid4().hex[:6]}")
+    try:
+        with pytest.raises(InvalidArgument, match="already connected to this store"):
+            connect(server.address, transport="nixl", name=first.transport.client_name)
+        request = rid()
+        first.allocate(request, LAYOUT, 16)
+        first.read_blocks(request, 0, 0, 0, unit_buffer()).wait()  # the first client is unharmed
+        first.free(request)
+    finally:
+        first.close()
