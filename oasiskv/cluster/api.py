@@ -16,7 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..models.sampling import SamplingParams, require_known_stop_tokens
+from ..models.sampling import SamplingParams, TokenLogprob, require_known_stop_tokens
+from .logprobs import LogprobFormatter
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -199,7 +200,8 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
                               top_k=max(0, body.top_k), stop=body.stop_list, seed=body.seed,
                               ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []),
                               skip_special_tokens=body.skip_special_tokens,
-                              include_stop_str_in_output=body.include_stop_str_in_output)
+                              include_stop_str_in_output=body.include_stop_str_in_output,
+                              logprobs=body.logprobs_requested())
     except (ValueError, ValidationError) as exc:
         raise ApiError(400, str(exc), "invalid_request_error") from exc
 
@@ -238,11 +240,12 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     except Exception as exc:
         raise ApiError(503, f"the request failed in a worker ({type(exc).__name__}); retry it",
                        "service_unavailable", headers={"Retry-After": "5"}) from exc
+    formatter = None if params.logprobs is None else LogprobFormatter(service.tokenizer)
     if body.stream:
-        return StreamingResponse(_sse(request, request_id, kind, body, ids, first, events),
+        return StreamingResponse(_sse(request, request_id, kind, body, ids, first, events, formatter),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        text, reason, completion_tokens = await _unless_disconnected(request, _collect(first, events))
+        text, reason, completion_tokens, logprobs = await _unless_disconnected(request, _collect(first, events))
     except ClientDisconnected:
         return _hung_up()
     except TimeoutError as exc:
@@ -255,9 +258,11 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
              "total_tokens": len(ids) + completion_tokens}
     if kind == "chat.completion":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                  "logprobs": formatter and formatter.chat(logprobs)}
     else:
-        choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+        choice = {"index": 0, "text": text, "finish_reason": reason,
+                  "logprobs": formatter and formatter.completion(logprobs)}
     return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": [choice], "usage": usage}
 
 
@@ -270,19 +275,20 @@ def _hung_up() -> Response:
     return Response(status_code=499)
 
 
-async def _collect(first, events) -> tuple[str, str | None, int]:
-    """A non-streamed response's text, finish reason and token count."""
-    text, reason, completion_tokens = "", None, 0
+async def _collect(first, events) -> tuple[str, str | None, int, list[TokenLogprob]]:
+    """A non-streamed response's text, finish reason, token count and token logprobs."""
+    text, reason, completion_tokens, logprobs = "", None, 0, []
     event = first
     try:
         while event is not None:
             text += event.delta
+            logprobs += event.logprobs
             completion_tokens = event.num_tokens
             reason = event.finish_reason or reason
             event = await events.__anext__() if not event.finished else None
     except StopAsyncIteration:
         pass
-    return text, reason, completion_tokens
+    return text, reason, completion_tokens, logprobs
 
 
 async def _wait_for_hang_up(request: Request) -> None:
@@ -309,17 +315,21 @@ async def _unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def _sse(request: Request, request_id: str, kind: str, body, ids, first, events) -> AsyncIterator[bytes]:
+async def _sse(request: Request, request_id: str, kind: str, body, ids, first, events,
+               formatter: LogprobFormatter | None) -> AsyncIterator[bytes]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created = now()
     completion_tokens = 0
 
-    def chunk(delta_text: str | None, reason: str | None, role: bool = False) -> bytes:
+    def chunk(delta_text: str | None, reason: str | None, role: bool = False,
+              logprobs: list[TokenLogprob] | None = None) -> bytes:
         if chunk_kind == "chat.completion.chunk":
             delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": reason,
+                      "logprobs": formatter.chat(logprobs) if formatter and logprobs else None}
         else:
-            choice = {"index": 0, "text": delta_text or "", "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": delta_text or "", "finish_reason": reason,
+                      "logprobs": formatter.completion(logprobs) if formatter and logprobs else None}
         payload = {"id": request_id, "object": chunk_kind, "created": created, "model": body.model, "choices": [choice]}
         if body.include_usage:
             payload["usage"] = None
@@ -331,8 +341,8 @@ async def _sse(request: Request, request_id: str, kind: str, body, ids, first, e
         event = first
         while event is not None:
             completion_tokens = event.num_tokens
-            if event.delta or event.finished:
-                yield chunk(event.delta, event.finish_reason if event.finished else None)
+            if event.delta or event.logprobs or event.finished:
+                yield chunk(event.delta, event.finish_reason if event.finished else None, logprobs=event.logprobs)
             if event.finished:
                 break
             event = await events.__anext__()

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..models.sampling import SEED_MAX, SEED_MIN
+from ..models.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from ..models.tokenizer import require_unicode
 
 Mode = Literal["dense", "sparse-current", "lookahead"]
@@ -87,8 +87,6 @@ class _SamplingFields(BaseModel):
             raise UnsupportedFeature("stream_options is only allowed with stream: true")
         if self.presence_penalty or self.frequency_penalty:
             raise UnsupportedFeature("presence_penalty and frequency_penalty are not supported")
-        if self.logprobs not in (None, False, 0):
-            raise UnsupportedFeature("logprobs are not supported")
         if self.logit_bias:
             raise UnsupportedFeature("logit_bias is not supported")
         for name in _UNSUPPORTED_VLLM_FIELDS:
@@ -115,6 +113,14 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
 
     _prompt_text = field_validator("prompt")(_encodable)
+
+    def logprobs_requested(self) -> int | None:
+        """How many alternatives each token's logprobs list; None: no logprobs."""
+        if self.logprobs is None or self.logprobs is False:
+            return None
+        if not 0 <= int(self.logprobs) <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        return int(self.logprobs)
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -166,6 +172,16 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict | None = None
     top_logprobs: int | None = None
 
+    def logprobs_requested(self) -> int | None:
+        """How many alternatives each token's logprobs list; None: no logprobs."""
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}")
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ValueError("top_logprobs needs logprobs: true")
+            return None
+        return self.top_logprobs or 0
+
     def check_supported(self) -> None:
         super().check_supported()
         kind = (self.response_format or {}).get("type", "text")
@@ -173,8 +189,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedFeature(f"response_format {kind!r} is not supported (free text only)")
         if self.tools and self.tool_choice != "none":
             raise UnsupportedFeature("tools (function calling) are not supported")
-        if self.top_logprobs:
-            raise UnsupportedFeature("logprobs are not supported")
 
 
 def new_id(prefix: str) -> str:

@@ -10,12 +10,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator
 
 from ..decode_node.working_set import plan_rows
 from ..models.engine.stopping import OutputText, finish_reason, visible_text
-from ..models.sampling import SamplingParams
+from ..models.sampling import SamplingParams, TokenLogprob
 from .config import ServeConfig
 from .launcher import HEALTH_GROUP, ClusterHandles
 from .metrics import ServingMetrics
@@ -32,6 +32,7 @@ class Event:
     num_tokens: int  # generated so far
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens added since the last event
 
 
 class ClusterService:
@@ -245,11 +246,13 @@ class ClusterService:
             # went out with the first decode step, so TTFT counted the working set's transfer and
             # a whole step. The worker's stream repeats its text first: that many characters are cut.
             repeated = self._first_token_text(result.first_token, params)
+            # Token i's logprobs go out with the event that counts token i.
+            logprobs = [] if result.first_logprob is None else [result.first_logprob]
             if repeated:
                 first_token_time = last_token_time = time.perf_counter()
                 m.ttft.observe(first_token_time - started)
                 token_count = 1
-                yield Event(repeated, 1)
+                yield Event(repeated, 1, logprobs=logprobs[:1])
             repeated = len(repeated)
             while True:
                 try:
@@ -258,6 +261,8 @@ class ClusterService:
                     break
                 out = await deadline.wait(_await(ref))
                 now = time.perf_counter()
+                sent_tokens = token_count
+                logprobs += out.get("logprobs") or []
                 new_tokens = out["num_tokens"] - token_count
                 if new_tokens > 0:
                     if first_token_time is None:
@@ -274,8 +279,9 @@ class ClusterService:
                     delta, repeated = delta[cut:], repeated - cut
                 if out["finished"]:  # before the yield: the consumer may close us after it
                     status = "abort" if out["finish_reason"] == "abort" else "success"
-                if delta or out["finished"]:
-                    yield Event(delta, token_count, out["finished"], out["finish_reason"])
+                new_logprobs = logprobs[sent_tokens:token_count] if params.logprobs is not None else []
+                if delta or new_logprobs or out["finished"]:
+                    yield Event(delta, token_count, out["finished"], out["finish_reason"], new_logprobs)
                 if out["finished"]:
                     break
         except (asyncio.CancelledError, GeneratorExit):

@@ -26,7 +26,7 @@ from ..kvstore.summary import summary_read_dtype
 from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
 from ..models.engine.stopping import OutputText, finish_reason, visible_text
-from ..models.sampling import SamplingParams, make_generator, require_known_stop_tokens
+from ..models.sampling import SamplingParams, TokenLogprob, make_generator, require_known_stop_tokens, token_logprobs
 from ..models.transformer import DecoderModel
 from .attention import SparseAttention, StepRequest
 from .config import DecodeConfig
@@ -125,6 +125,8 @@ class DecodeOutput:
     # a step, a write-back did not land): it has left the engine, keeping the tokens emitted before, and
     # its caller gets this error instead of a finish.
     error: str | None = None
+    # The logprobs of new_token_ids, when the request asked for them.
+    logprobs: list[TokenLogprob] | None = None
 
 
 class DecodeEngine:
@@ -386,6 +388,9 @@ class DecodeEngine:
                 outputs.append(self._fail(req, "a block read from its store failed", req.ws.failure))
                 continue
             emitted = verify(logits[start : start + rows], draft, req.params, req.generator)
+            # Emitted token i was chosen from row i (the last one the correction or bonus).
+            logprobs = (None if req.params.logprobs is None
+                        else token_logprobs(logits[start : start + rows], emitted, req.params.logprobs))
             start += rows
             self.counters.drafts_proposed += len(draft.tokens)
             self.counters.drafts_accepted += len(emitted) - 1
@@ -393,7 +398,7 @@ class DecodeEngine:
             req.num_kv += len(emitted)  # the last token and the accepted drafts now have K/V
             if req.mode != "dense":
                 self._write_back(req, old_kv)  # a store that refuses it fails the request at a later step
-            outputs.append(self._emit(req, emitted))
+            outputs.append(self._emit(req, emitted, logprobs))
         self.counters.steps += 1
         return outputs
 
@@ -469,7 +474,7 @@ class DecodeEngine:
         summaries = summarize_keys(keys, kind=req.summary_kind).permute(1, 2, 0, 3, 4)  # [layers, heads, blocks, 2, d]
         req.summaries.write(done.start, summaries)  # rewrites a block the prefill wrote partly filled
 
-    def _emit(self, req: DecodeRequest, emitted: list[int]) -> DecodeOutput:
+    def _emit(self, req: DecodeRequest, emitted: list[int], logprobs: list[TokenLogprob] | None = None) -> DecodeOutput:
         new = []
         reason = None
         for i, token in enumerate(emitted):
@@ -488,7 +493,8 @@ class DecodeEngine:
         req.text, reason = visible_text(req.output_text, req.output_ids, req.params, reason, self.eos_token_ids)
         if reason:
             self._finish(req, reason)
-        return DecodeOutput(req.request_id, new, list(req.output_ids), req.text, reason is not None, reason)
+        return DecodeOutput(req.request_id, new, list(req.output_ids), req.text, reason is not None, reason,
+                            logprobs=None if logprobs is None else logprobs[: len(new)])
 
     def _finish(self, req: DecodeRequest, reason: str, wait_for_transfers: bool = True,
                 wait_for_free: bool = True) -> None:

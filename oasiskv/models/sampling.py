@@ -16,6 +16,19 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 # of every request in the step (1e-40 did; 1e-5 scales logits of 50 to 5e6, still finite).
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
+# Most alternatives a token's logprobs may list (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model, and the most likely alternatives
+    (best first). As vLLM's default: from the raw logits, before temperature, top-k and top-p."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
 
 @dataclass
 class SamplingParams:
@@ -31,6 +44,8 @@ class SamplingParams:
     # a stop string that ends the output is cut with the rest unless asked for.
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # None: no logprobs; n: each token's logprob and its n most likely alternatives.
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.stop is None:  # vLLM's default
@@ -45,7 +60,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        for name in ("max_tokens", "top_k") + (("seed",) if self.seed is not None else ()):
+        optional = tuple(name for name in ("seed", "logprobs") if getattr(self, name) is not None)
+        for name in ("max_tokens", "top_k") + optional:
             if not _is_int(getattr(self, name)):  # a float failed inside torch, not naming the field
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.max_tokens < 1:
@@ -58,6 +74,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be a signed 64-bit integer, in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
 
@@ -106,6 +124,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         else:
             tokens.append(int(torch.multinomial(target_probs(row, p), 1, generator=gen)))
     return tokens
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """logits: [len(tokens), V], row i the one token i was sampled from."""
+    if not tokens:
+        return []
+    logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = logprobs.gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1).tolist()
+    if top:
+        values, ids = torch.topk(logprobs, top, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(t, lp, alt) for t, lp, alt in zip(tokens, chosen, tops)]
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -16,7 +16,7 @@ import torch
 from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, pack_layer, rank_blocks, ranking_radius_weight, summarize_layer
 from ..models.attention import AttentionBatch, PagedAttention
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
-from ..models.sampling import SamplingParams, make_generator, sample
+from ..models.sampling import SamplingParams, TokenLogprob, make_generator, sample, token_logprobs
 from ..models.transformer import DecoderModel
 from .cancellation import raise_if
 
@@ -31,6 +31,7 @@ class PrefillResult:
     # k may be 0 when the prompt has no blocks outside the sinks and the window.
     initial_selection: torch.Tensor
     kv_bytes_written: int
+    first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
 
 
 def kv_layout_for(model: DecoderModel, block_size: int = 16, summary_kind: str = DEFAULT_SUMMARY_KIND) -> KVLayout:
@@ -124,6 +125,7 @@ class Prefiller:
             logits = model.compute_logits(hidden[-1:])
             generator = None if params.greedy else make_generator(params.seed)
             first = sample(logits, [params], [generator])[0]
+            first_logprob = None if params.logprobs is None else token_logprobs(logits, [first], params.logprobs)[0]
             for handle in handles:
                 handle.wait()
         except BaseException:
@@ -131,4 +133,4 @@ class Prefiller:
             raise
         self.client.release(request_id)  # the decode node takes it over; its free reuses the memory at once
         written = num_blocks * config.num_layers * config.num_kv_heads * layout.unit_bytes
-        return PrefillResult(request_id, list(prompt_ids), first, layout, selection, written)
+        return PrefillResult(request_id, list(prompt_ids), first, layout, selection, written, first_logprob)

@@ -21,7 +21,7 @@ from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, KVStoreError, UnknownReque
 from ..models.cpus import threads_within_limit
 from ..models.device import require_device
 from ..models.pull import resolve_model
-from ..models.sampling import SamplingParams
+from ..models.sampling import SamplingParams, TokenLogprob
 from .cancellation import Cancellations, raise_if
 from .prefill import PrefillResult
 
@@ -83,8 +83,21 @@ def to_vllm_sampling(params: SamplingParams, request_id: str, store_address: str
         top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else 0,
         seed=params.seed,
+        logprobs=params.logprobs,
         extra_args={"kv_transfer_params": {REQUEST_ID_PARAM: request_id, STORE_PARAM: store_address}},
     )
+
+
+def first_logprob(logprobs, token: int, top: int | None) -> TokenLogprob | None:
+    """vLLM's logprobs of its one generated token ({token id: Logprob} holding the sampled token
+    and the `top` best, by rank) as a TokenLogprob. vLLM's default, as ours: raw logits."""
+    if top is None:
+        return None
+    if not logprobs or token not in logprobs[0]:
+        raise VLLMPrefillError(f"vLLM returned no logprob for its token {token}")
+    entries = logprobs[0]
+    best = sorted((e.rank, tid, e.logprob) for tid, e in entries.items() if e.rank is not None and e.rank <= top)
+    return TokenLogprob(token, float(entries[token].logprob), tuple((tid, float(lp)) for _rank, tid, lp in best[:top]))
 
 
 class VLLMPrefillWorker:
@@ -148,7 +161,9 @@ class VLLMPrefillWorker:
         layout: KVLayout = info.layout
         empty = torch.empty((layout.num_layers, layout.num_kv_heads, 0), dtype=torch.long)
         written = layout.num_blocks(len(prompt_ids)) * layout.num_layers * layout.num_kv_heads * layout.unit_bytes
-        return PrefillResult(request_id, list(prompt_ids), int(output.outputs[0].token_ids[0]), layout, empty, written)
+        first = int(output.outputs[0].token_ids[0])
+        return PrefillResult(request_id, list(prompt_ids), first, layout, empty, written,
+                             first_logprob(output.outputs[0].logprobs, first, sampling.logprobs))
 
     def cancel(self, request_id: str) -> bool:
         """Drop the prefill of `request_id` if it still waits for the one before it; one that

@@ -95,6 +95,69 @@ def test_text_in_several_byte_tokens_arrives_whole_streamed_or_not(client, smoll
     assert all("\ufffd" not in piece for piece in pieces[:-1])
 
 
+def test_completion_logprobs_match_the_engine_streamed_or_not(client, smollm2_llm):
+    prompt = "def fibonacci(n):"
+    expected = smollm2_llm.generate([smollm2_llm.encode(prompt)], SamplingParams(max_tokens=12, logprobs=2))[0]
+    texts = [smollm2_llm.tokenizer.decode([t]) for t in expected.token_ids]
+    whole = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
+    chunks = [c.choices[0].logprobs for c in client.completions.create(
+        model=DEFAULT_MODEL, prompt=prompt, max_tokens=12, temperature=0, logprobs=2, stream=True)
+        if c.choices and c.choices[0].logprobs]
+    for logprobs in (whole.choices[0].logprobs, _joined(chunks)):
+        assert logprobs.tokens == texts and "".join(texts) == whole.choices[0].text
+        assert max(abs(a - e.logprob) for a, e in zip(logprobs.token_logprobs, expected.logprobs, strict=True)) < 1e-3
+        assert logprobs.text_offset == [sum(map(len, texts[:i])) for i in range(len(texts))]
+        # The two best and the token itself, which greedy decoding makes the best.
+        assert [sorted(d) for d in logprobs.top_logprobs] == [
+            sorted({smollm2_llm.tokenizer.decode([t]) for t, _ in e.top}) for e in expected.logprobs]
+    assert len(chunks) > 1  # streamed a piece at a time
+    plain = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def _joined(chunks):
+    first = chunks[0]
+    for chunk in chunks[1:]:
+        first.tokens += chunk.tokens
+        first.token_logprobs += chunk.token_logprobs
+        first.top_logprobs += chunk.top_logprobs
+        first.text_offset += chunk.text_offset
+    return first
+
+
+def test_chat_logprobs_match_the_engine_streamed_or_not(client, smollm2_llm):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    ids = smollm2_llm.tokenizer.apply_chat_template(messages)
+    expected = smollm2_llm.generate([ids], SamplingParams(max_tokens=10, logprobs=3))[0]
+    whole = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=10, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    streamed = [item for c in client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=3, stream=True)
+        if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
+    for content in (whole.choices[0].logprobs.content, streamed):
+        assert len(content) == whole.usage.completion_tokens == len(expected.token_ids)
+        for item, e in zip(content, expected.logprobs):
+            assert item.token == smollm2_llm.tokenizer.decode([e.token_id]) and item.bytes == list(item.token.encode())
+            assert abs(item.logprob - e.logprob) < 1e-3
+            assert [t.token for t in item.top_logprobs] == [smollm2_llm.tokenizer.decode([t]) for t, _ in e.top]
+    only_token = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=3, temperature=0,
+                                                logprobs=True)
+    assert [len(i.top_logprobs) for i in only_token.choices[0].logprobs.content] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("path, extra, fragment", [
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
+    ("completions", {"logprobs": 21}, "logprobs must be in [0, 20]"),
+    ("completions", {"logprobs": -1}, "logprobs must be in [0, 20]"),
+])
+def test_logprobs_out_of_range_are_400(server, path, extra, fragment):
+    body = {"max_tokens": 2, **extra}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})
+    response = _post(server, path, body)
+    assert response.status_code == 400 and fragment in response.json()["error"]["message"]
+
+
 def test_stop_token_ids_end_the_output_at_that_token(client, smollm2_llm):
     prompt = "def fibonacci(n):"
     ids = smollm2_llm.encode(prompt)

@@ -63,6 +63,35 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_there(smollm2_llm,
     assert store.stats().num_requests == 0
 
 
+@pytest.mark.parametrize("mode", ["dense", "lookahead"])
+def test_token_logprobs_match_the_single_process_engine(smollm2_llm, store, prompts, mode):
+    """Each token's logprob comes from the verification row it was chosen from; the prefill's
+    token from the prefill's logits."""
+    params = dataclasses.replace(GREEDY, logprobs=2)
+    (expected,) = smollm2_llm.generate([prompts[0]], params)
+    config = DecodeConfig(mode=mode, budget_tokens=2048, kv_pool_gb=0.25)
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config)
+    result = Prefiller(smollm2_llm.model, client).prefill(
+        f"logprobs-{mode}", prompts[0], params, budget_blocks=config.budget_blocks,
+        excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks)
+    engine.add(result, params)
+    tokens, logprobs = [result.first_token], [result.first_logprob]
+    while engine.has_unfinished:
+        for out in engine.step():
+            assert out.logprobs is not None and len(out.logprobs) == len(out.new_token_ids)
+            tokens += out.new_token_ids
+            logprobs += out.logprobs
+    assert engine.counters.drafts_accepted > 0  # several tokens came from one verification pass
+    assert tokens == expected.token_ids
+    assert [e.token_id for e in logprobs] == tokens
+    got = torch.tensor([e.logprob for e in logprobs])
+    want = torch.tensor([e.logprob for e in expected.logprobs])
+    assert (got - want).abs().max().item() < 1e-3
+    assert [[t for t, _ in e.top] for e in logprobs] == [[t for t, _ in e.top] for e in expected.logprobs]
+    assert all(e.top[0] == (e.token_id, e.logprob) and e.top[0][1] >= e.top[1][1] for e in logprobs)  # greedy
+
+
 def test_small_budget_fetches_only_the_predicted_blocks(smollm2_llm, store, prompts):
     config = DecodeConfig(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
     engine, tokens = run_engine(smollm2_llm, store, prompts, config, tag="-small")

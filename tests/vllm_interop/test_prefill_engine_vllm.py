@@ -58,3 +58,15 @@ def test_streamed_chat_through_a_vllm_prefill(client, smollm2_llm):
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     expected = smollm2_llm.chat([messages], SamplingParams(max_tokens=16))[0].text
     assert text == expected
+
+
+def test_logprobs_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
+    """The first token's logprobs come from vLLM (its raw logprobs), the others from OasisKV's decode."""
+    prompt = "def fibonacci(n):"
+    expected = smollm2_llm.generate([smollm2_llm.encode(prompt)], SamplingParams(max_tokens=8, logprobs=2))[0]
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=2)
+    logprobs = out.choices[0].logprobs
+    assert logprobs.tokens == [smollm2_llm.tokenizer.decode([t]) for t in expected.token_ids]
+    assert max(abs(a - e.logprob) for a, e in zip(logprobs.token_logprobs, expected.logprobs, strict=True)) < 1e-3
+    assert [sorted(d) for d in logprobs.top_logprobs] == [
+        sorted({smollm2_llm.tokenizer.decode([t]) for t, _ in e.top}) for e in expected.logprobs]

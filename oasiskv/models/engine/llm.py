@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from ..device import require_device
 from ..attention import AttentionBatch, PagedAttention
 from ..kv_cache import KVCacheSpec, PagedKVCache
-from ..sampling import SamplingParams, make_generator, require_known_stop_tokens, sample
+from ..sampling import SamplingParams, TokenLogprob, make_generator, require_known_stop_tokens, sample, token_logprobs
 from .scheduler import RequestTooLarge, ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .stopping import OutputText, finish_reason, visible_text
@@ -63,6 +63,7 @@ class RequestOutput:
     text: str
     finish_reason: str | None
     finished: bool
+    logprobs: list[TokenLogprob] | None = None  # of every output token, when the request asked for them
 
 
 class LLM:
@@ -162,6 +163,9 @@ class LLM:
         if not samplers:
             return []
         new_tokens = sample(logits_rows, [s.params for s in samplers], [s.generator for s in samplers])
+        for row, (seq, token) in enumerate(zip(samplers, new_tokens)):
+            if seq.params.logprobs is not None:
+                seq.logprobs += token_logprobs(logits_rows[row : row + 1], [token], seq.params.logprobs)
         return [self._append(seq, token) for seq, token in zip(samplers, new_tokens)]
 
     def _run_model(self, batch: ScheduledBatch):
@@ -196,7 +200,8 @@ class LLM:
         if reason:
             self.scheduler.finish(seq, reason)
         return RequestOutput(
-            seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.text, reason, reason is not None
+            seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.text, reason, reason is not None,
+            None if seq.params.logprobs is None else list(seq.logprobs),
         )
 
     @torch.inference_mode()

@@ -32,6 +32,7 @@ class Sequence:
     text: str = ""  # detokenized output, cut at a stop string
     output_text: object | None = None  # its incremental decoder (stopping.OutputText), made by the engine
     generator: torch.Generator | None = None
+    logprobs: list = field(default_factory=list)  # TokenLogprob of each output token, when asked for
     seq_id: int = field(default_factory=lambda: next(_ids))
 
     def __post_init__(self):
