@@ -201,7 +201,8 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
                               ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []),
                               skip_special_tokens=body.skip_special_tokens,
                               include_stop_str_in_output=body.include_stop_str_in_output,
-                              logprobs=body.logprobs_requested())
+                              logprobs=body.logprobs_requested(), presence_penalty=body.presence_penalty,
+                              frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty)
     except (ValueError, ValidationError) as exc:
         raise ApiError(400, str(exc), "invalid_request_error") from exc
 

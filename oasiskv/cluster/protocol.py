@@ -27,7 +27,7 @@ def _encodable(value):
     return value
 
 
-_UNSUPPORTED_VLLM_FIELDS = ("min_tokens", "repetition_penalty", "min_p", "use_beam_search", "length_penalty",
+_UNSUPPORTED_VLLM_FIELDS = ("min_tokens", "min_p", "use_beam_search", "length_penalty",
                             "bad_words", "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
                             "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -61,10 +61,10 @@ class _SamplingFields(BaseModel):
     # vLLM's extensions, as vLLM does them.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    repetition_penalty: float = 1.0
     # vLLM's extensions that are not implemented: refused unless left at these values, since a
     # request that sets one expects it to take effect (they were ignored, and the output differed).
     min_tokens: int = 0
-    repetition_penalty: float = 1.0
     min_p: float = 0.0
     use_beam_search: bool = False
     length_penalty: float = 1.0
@@ -85,8 +85,6 @@ class _SamplingFields(BaseModel):
             raise UnsupportedFeature(f"n must be 1 (got {self.n}); for several completions send several requests")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFeature("stream_options is only allowed with stream: true")
-        if self.presence_penalty or self.frequency_penalty:
-            raise UnsupportedFeature("presence_penalty and frequency_penalty are not supported")
         if self.logit_bias:
             raise UnsupportedFeature("logit_bias is not supported")
         for name in _UNSUPPORTED_VLLM_FIELDS:

@@ -26,7 +26,14 @@ from ..kvstore.summary import summary_read_dtype
 from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
 from ..models.engine.stopping import OutputText, finish_reason, visible_text
-from ..models.sampling import SamplingParams, TokenLogprob, make_generator, require_known_stop_tokens, token_logprobs
+from ..models.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    apply_penalties,
+    make_generator,
+    require_known_stop_tokens,
+    token_logprobs,
+)
 from ..models.transformer import DecoderModel
 from .attention import SparseAttention, StepRequest
 from .config import DecodeConfig
@@ -387,7 +394,10 @@ class DecodeEngine:
                 start += rows
                 outputs.append(self._fail(req, "a block read from its store failed", req.ws.failure))
                 continue
-            emitted = verify(logits[start : start + rows], draft, req.params, req.generator)
+            chosen_from = logits[start : start + rows]
+            if req.params.penalized:
+                chosen_from = apply_penalties(chosen_from, req.params, req.prompt_ids, req.output_ids, draft.tokens)
+            emitted = verify(chosen_from, draft, req.params, req.generator)
             # Emitted token i was chosen from row i (the last one the correction or bonus).
             logprobs = (None if req.params.logprobs is None
                         else token_logprobs(logits[start : start + rows], emitted, req.params.logprobs))

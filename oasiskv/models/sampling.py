@@ -46,6 +46,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # None: no logprobs; n: each token's logprob and its n most likely alternatives.
     logprobs: int | None = None
+    # OpenAI's penalties on tokens already generated (presence: once; frequency: per
+    # occurrence), and vLLM's repetition penalty on tokens of the prompt or the output.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         if self.stop is None:  # vLLM's default
@@ -74,6 +79,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:  # NaN too
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
@@ -82,6 +92,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 def require_known_stop_tokens(params: SamplingParams, vocab_size: int) -> None:
@@ -93,6 +107,34 @@ def require_known_stop_tokens(params: SamplingParams, vocab_size: int) -> None:
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                    drafts: list[int] = ()) -> torch.Tensor:
+    """The logits the request samples from, rows [1 + len(drafts), V]: row i follows the output
+    and drafts[:i] (a speculative step verifies several positions at once). A new tensor."""
+    logits = logits.float().clone()
+    vocab = logits.shape[-1]
+    rows = logits.shape[0]
+    generated = torch.tensor(list(output_ids) + list(drafts[: rows - 1]), dtype=torch.long)
+    base = len(output_ids)
+    # counts[i]: how often each token occurs in the output before row i's position.
+    counts = torch.zeros((rows, vocab), dtype=torch.float32)
+    if base:
+        counts[:] = torch.bincount(generated[:base], minlength=vocab)[:vocab].float()
+    for i in range(1, rows):
+        counts[i:, generated[base + i - 1]] += 1
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        if prompt_ids:
+            seen[:, torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+        penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if params.frequency_penalty:
+        logits -= params.frequency_penalty * counts
+    if params.presence_penalty:
+        logits -= params.presence_penalty * (counts > 0).float()
+    return logits
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

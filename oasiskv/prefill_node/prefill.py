@@ -16,7 +16,7 @@ import torch
 from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, pack_layer, rank_blocks, ranking_radius_weight, summarize_layer
 from ..models.attention import AttentionBatch, PagedAttention
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
-from ..models.sampling import SamplingParams, TokenLogprob, make_generator, sample, token_logprobs
+from ..models.sampling import SamplingParams, TokenLogprob, apply_penalties, make_generator, sample, token_logprobs
 from ..models.transformer import DecoderModel
 from .cancellation import raise_if
 
@@ -124,7 +124,8 @@ class Prefiller:
                 hidden = model(torch.tensor(prompt_ids[start:end], device=device), torch.arange(start, end, device=device), backend)
             logits = model.compute_logits(hidden[-1:])
             generator = None if params.greedy else make_generator(params.seed)
-            first = sample(logits, [params], [generator])[0]
+            chosen_from = apply_penalties(logits, params, prompt_ids, []) if params.penalized else logits
+            first = sample(chosen_from, [params], [generator])[0]
             first_logprob = None if params.logprobs is None else token_logprobs(logits, [first], params.logprobs)[0]
             for handle in handles:
                 handle.wait()

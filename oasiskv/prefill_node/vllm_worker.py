@@ -84,6 +84,9 @@ def to_vllm_sampling(params: SamplingParams, request_id: str, store_address: str
         top_k=params.top_k if params.top_k > 0 else 0,
         seed=params.seed,
         logprobs=params.logprobs,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
         extra_args={"kv_transfer_params": {REQUEST_ID_PARAM: request_id, STORE_PARAM: store_address}},
     )
 

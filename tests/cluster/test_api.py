@@ -158,6 +158,25 @@ def test_logprobs_out_of_range_are_400(server, path, extra, fragment):
     assert response.status_code == 400 and fragment in response.json()["error"]["message"]
 
 
+def test_penalties_take_effect_as_in_the_engine_streamed_or_not(client, smollm2_llm):
+    """presence_penalty, frequency_penalty (OpenAI's) and repetition_penalty (vLLM's) change
+    greedy text exactly as the single-process engine applies them."""
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3,"
+    ids = smollm2_llm.encode(prompt)
+    plain = _expected(smollm2_llm, ids, 24)
+    for penalties in ({"presence_penalty": 2.0, "frequency_penalty": 2.0}, {"frequency_penalty": 1.0},
+                      {"repetition_penalty": 1.3}):
+        expected = smollm2_llm.generate([ids], SamplingParams(max_tokens=24, **penalties))[0].text
+        assert expected != plain  # the model repeats the pattern unless penalized
+        kwargs = {k: v for k, v in penalties.items() if k != "repetition_penalty"}
+        extra = {k: v for k, v in penalties.items() if k == "repetition_penalty"}
+        whole = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                          extra_body=extra, **kwargs)
+        pieces = [c.choices[0].text for c in client.completions.create(
+            model=DEFAULT_MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True, extra_body=extra, **kwargs)]
+        assert whole.choices[0].text == "".join(pieces) == expected
+
+
 def test_stop_token_ids_end_the_output_at_that_token(client, smollm2_llm):
     prompt = "def fibonacci(n):"
     ids = smollm2_llm.encode(prompt)
@@ -235,7 +254,9 @@ def _post(server, path: str, body: dict) -> httpx.Response:
         ({"model": DEFAULT_MODEL, "prompt": "hi", "logit_bias": {"42": 5}}, 400, "logit_bias"),
         # vLLM options not implemented here: refused, not ignored (the output would differ).
         ({"model": DEFAULT_MODEL, "prompt": "hi", "min_tokens": 8}, 400, "min_tokens is not supported"),
-        ({"model": DEFAULT_MODEL, "prompt": "hi", "repetition_penalty": 1.5}, 400, "repetition_penalty"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "min_p": 0.1}, 400, "min_p is not supported"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0, 2]"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
     ],
 )

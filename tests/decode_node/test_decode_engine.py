@@ -92,6 +92,25 @@ def test_token_logprobs_match_the_single_process_engine(smollm2_llm, store, prom
     assert all(e.top[0] == (e.token_id, e.logprob) and e.top[0][1] >= e.top[1][1] for e in logprobs)  # greedy
 
 
+@pytest.mark.parametrize("penalties", [{"presence_penalty": 2.0, "frequency_penalty": 2.0},
+                                       {"repetition_penalty": 1.3}])
+def test_penalized_decoding_matches_the_single_process_engine(smollm2_llm, store, penalties):
+    """Each verification row is penalized for the drafts before it, so accepted runs decode as
+    one token at a time would."""
+    passage = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick!\n"
+    prompt = smollm2_llm.encode(passage * 3 + "The quick brown")
+    params = SamplingParams(max_tokens=64, ignore_eos=True, **penalties)
+    (expected,) = smollm2_llm.generate([prompt], params)
+    assert expected.token_ids != smollm2_llm.generate([prompt], SamplingParams(max_tokens=64, ignore_eos=True))[0].token_ids
+    model, tok = smollm2_llm.model, smollm2_llm.tokenizer
+    # The model drafting for itself, unpenalized: most drafts still match the penalized choice.
+    drafter = DraftModelDrafter(model, model.config.vocab_size, tok, tok, window_tokens=256, max_chunk=64)
+    engine, (tokens,) = run_engine(smollm2_llm, store, [prompt], DecodeConfig(num_draft_tokens=4, kv_pool_gb=0.25),
+                                   params=params, drafter=drafter, tag=f"-penalty{len(penalties)}")
+    assert engine.counters.drafts_accepted > 8
+    assert tokens == expected.token_ids
+
+
 def test_small_budget_fetches_only_the_predicted_blocks(smollm2_llm, store, prompts):
     config = DecodeConfig(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
     engine, tokens = run_engine(smollm2_llm, store, prompts, config, tag="-small")

@@ -116,3 +116,32 @@ def test_stop_token_ids_the_model_cannot_emit_are_refused():
     require_known_stop_tokens(SamplingParams(stop_token_ids=[0, 99]), 100)
     with pytest.raises(ValueError, match=r"stop_token_ids must be in \[0, 100\), got \[100, -1\]"):
         require_known_stop_tokens(SamplingParams(stop_token_ids=[5, 100, -1]), 100)
+
+
+def test_penalties_follow_the_openai_and_vllm_formulas_row_by_row():
+    """Row i of a verification pass follows the output and drafts[:i]; checked against the
+    formulas written out token by token."""
+    from oasiskv.models.sampling import apply_penalties
+
+    torch.manual_seed(1)
+    vocab, prompt, output, drafts = 12, [0, 1, 1, 5], [2, 3, 2], [3, 7, 3]
+    logits = torch.randn(len(drafts) + 1, vocab) * 3
+    params = SamplingParams(presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.5)
+    got = apply_penalties(logits, params, prompt, output, drafts)
+    for i in range(len(drafts) + 1):
+        generated = output + drafts[:i]
+        for token in range(vocab):
+            value = float(logits[i, token])
+            if token in generated or token in prompt:
+                value = value / 1.5 if value > 0 else value * 1.5
+            count = generated.count(token)
+            value -= 0.3 * count + (0.4 if count else 0.0)
+            assert abs(float(got[i, token]) - value) < 1e-5, (i, token)
+    assert torch.equal(apply_penalties(logits, SamplingParams(), prompt, output, drafts), logits)
+
+
+@pytest.mark.parametrize("field, value", [("presence_penalty", 2.5), ("frequency_penalty", float("nan")),
+                                          ("repetition_penalty", 0.0), ("repetition_penalty", 3.0)])
+def test_penalties_out_of_range_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

@@ -14,7 +14,15 @@ from tqdm.auto import tqdm
 from ..device import require_device
 from ..attention import AttentionBatch, PagedAttention
 from ..kv_cache import KVCacheSpec, PagedKVCache
-from ..sampling import SamplingParams, TokenLogprob, make_generator, require_known_stop_tokens, sample, token_logprobs
+from ..sampling import (
+    SamplingParams,
+    TokenLogprob,
+    apply_penalties,
+    make_generator,
+    require_known_stop_tokens,
+    sample,
+    token_logprobs,
+)
 from .scheduler import RequestTooLarge, ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .stopping import OutputText, finish_reason, visible_text
@@ -162,7 +170,14 @@ class LLM:
         self.scheduler.after_step(batch)
         if not samplers:
             return []
-        new_tokens = sample(logits_rows, [s.params for s in samplers], [s.generator for s in samplers])
+        chosen_from = logits_rows
+        if any(seq.params.penalized for seq in samplers):
+            chosen_from = logits_rows.float().clone()  # the logprobs stay the raw logits'
+            for row, seq in enumerate(samplers):
+                if seq.params.penalized:
+                    chosen_from[row] = apply_penalties(logits_rows[row : row + 1], seq.params, seq.prompt_ids,
+                                                       seq.output_ids)[0]
+        new_tokens = sample(chosen_from, [s.params for s in samplers], [s.generator for s in samplers])
         for row, (seq, token) in enumerate(zip(samplers, new_tokens)):
             if seq.params.logprobs is not None:
                 seq.logprobs += token_logprobs(logits_rows[row : row + 1], [token], seq.params.logprobs)
