@@ -27,7 +27,7 @@ from .protocol import (
     now,
 )
 from .router import Overloaded, TooLarge
-from .service import ClusterService
+from .service import ClusterService, ShuttingDown
 
 log = logging.getLogger("oasiskv.api")
 
@@ -239,8 +239,7 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     except TimeoutError as exc:
         raise ApiError(504, "the request timed out", "timeout") from exc
     except Exception as exc:
-        raise ApiError(503, f"the request failed in a worker ({type(exc).__name__}); retry it",
-                       "service_unavailable", headers={"Retry-After": "5"}) from exc
+        raise _failed(exc) from exc
     formatter = None if params.logprobs is None else LogprobFormatter(service.tokenizer)
     if body.stream:
         return StreamingResponse(_sse(request, request_id, kind, body, ids, first, events, formatter),
@@ -252,8 +251,7 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     except TimeoutError as exc:
         raise ApiError(504, "the request timed out", "timeout") from exc
     except Exception as exc:  # a worker died mid-request: the request is lost, the server is not
-        raise ApiError(503, f"the request failed in a worker ({type(exc).__name__}); retry it",
-                       "service_unavailable", headers={"Retry-After": "5"}) from exc
+        raise _failed(exc) from exc
     finally:
         await events.aclose()  # after a hang-up this aborts the request and frees its KV
     usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
@@ -265,6 +263,15 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
         choice = {"index": 0, "text": text, "finish_reason": reason,
                   "logprobs": formatter and formatter.completion(logprobs)}
     return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": [choice], "usage": usage}
+
+
+def _failed(exc: Exception) -> ApiError:
+    """A request that failed after it was accepted: 503, to be retried (here or elsewhere)."""
+    if isinstance(exc, ShuttingDown):
+        message = "the server is shutting down; retry the request"
+    else:
+        message = f"the request failed in a worker ({type(exc).__name__}); retry it"
+    return ApiError(503, message, "service_unavailable", headers={"Retry-After": "5"})
 
 
 class ClientDisconnected(Exception):
@@ -360,8 +367,7 @@ async def _sse(request: Request, request_id: str, kind: str, body, ids, first, e
         yield f"data: {json.dumps(error_body('the request timed out', 'timeout', 504))}\n\n".encode()
         yield b"data: [DONE]\n\n"  # as vLLM: a client reading to [DONE] is not left waiting for it
     except Exception as exc:  # after the 200 header an error can only travel in the stream
-        message = f"the request failed in a worker ({type(exc).__name__}); retry it"
-        yield f"data: {json.dumps(error_body(message, 'service_unavailable', 503))}\n\n".encode()
+        yield f"data: {json.dumps(error_body(_failed(exc).message, 'service_unavailable', 503))}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:
         await events.aclose()  # a disconnected client lands here: the request is aborted and freed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -64,11 +65,39 @@ def make_app(service: ClusterService, shutdown_cluster: bool = True):
         finally:
             await service.stop_polling()
             if shutdown_cluster:
+                service.cluster_down = True
                 log.info("shutting the cluster down")
                 shutdown(service.handles)
                 log.info("cluster shut down")
 
     return create_app(service, lifespan=lifespan)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, ending the requests still in flight shortly before its shutdown grace runs out.
+
+    uvicorn cancels what still runs when the grace ends, and only then runs the lifespan's
+    shutdown: streams were cut with no error event and no [DONE], a non-streamed request got a
+    bare-text 500, and the requests' aborts reached Ray after it was shut down (starting a new
+    local Ray). Ended by the service instead, each gets a 503 'shutting down' while the workers
+    are still there to free its KV."""
+
+    def __init__(self, config: uvicorn.Config, service: ClusterService):
+        super().__init__(config)
+        self.service = service
+
+    async def shutdown(self, sockets=None) -> None:
+        grace = self.config.timeout_graceful_shutdown
+        timer = None
+        if grace is not None:
+            # Leave the ended requests time to send their last event before uvicorn cancels them.
+            end_at = max(0.0, grace - min(2.0, grace / 2))
+            timer = asyncio.get_running_loop().call_later(end_at, self.service.begin_shutdown)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
 
 
 def run_server(config: ServeConfig) -> None:
@@ -77,8 +106,8 @@ def run_server(config: ServeConfig) -> None:
     log.info("serving %s on http://%s:%d", config.model_name, config.host, config.port)
     # Without a graceful-shutdown limit uvicorn waits for every open stream, and under Kubernetes
     # the pod is killed first: no request is aborted and the lifespan never shuts the cluster down.
-    uvicorn.run(make_app(service), host=config.host, port=config.port, log_level="info",
-                timeout_graceful_shutdown=config.shutdown_grace_s)
+    DrainingServer(uvicorn.Config(make_app(service), host=config.host, port=config.port, log_level="info",
+                                  timeout_graceful_shutdown=config.shutdown_grace_s), service).run()
 
 
 class BackgroundServer:
@@ -88,7 +117,8 @@ class BackgroundServer:
         self.config = config
         self.service = build_service(config)
         app = make_app(self.service, shutdown_cluster=False)
-        self._server = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
+        self._server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning",
+                                                     timeout_graceful_shutdown=config.shutdown_grace_s), self.service)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
     def __enter__(self) -> "BackgroundServer":
@@ -107,5 +137,6 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=self.config.shutdown_grace_s + 30)
+        self.service.cluster_down = True
         shutdown(self.service.handles)

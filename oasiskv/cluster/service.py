@@ -35,6 +35,10 @@ class Event:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens added since the last event
 
 
+class ShuttingDown(RuntimeError):
+    """The server stops: a request still in flight when its shutdown grace ends gets this."""
+
+
 class ClusterService:
     def __init__(self, config: ServeConfig, handles: ClusterHandles, tokenizer, kv_bytes_per_token: int,
                  max_model_len: int, eos_token_ids=()):
@@ -54,9 +58,25 @@ class ClusterService:
         # Requests waiting for room in a store, first come first served; set at every release.
         self._store_waiters: list[object] = []
         self._store_room = asyncio.Event()
+        self._stopping: asyncio.Future | None = None  # done once the server stops (`begin_shutdown`)
+        self.cluster_down = False  # set before the cluster is shut down
         self.restart_actor = _restart_ray_actor  # a unit test of the poll puts a stand-in here
+        # Read at each scrape: set by the health poll, it showed requests long gone (2 while none ran).
+        self.metrics.queue_length.set_function(lambda: self.queued)
         for slot in handles.decode:  # each worker's series from 0, so a first restart is an increase
             self.metrics.worker_restarts.labels("decode", slot.name)
+
+    def begin_shutdown(self) -> None:
+        """End every request in flight now (call on the event loop): each gets ShuttingDown,
+        which the API sends as an error, while the workers are still there to free its KV."""
+        signal = self._stop_signal()
+        if not signal.done():
+            signal.set_result(None)
+
+    def _stop_signal(self) -> asyncio.Future:
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_future()
+        return self._stopping
 
     # -- background health and stats -----------------------------------------------------
     def start_polling(self, interval_s: float = 2.0) -> None:
@@ -107,7 +127,6 @@ class ClusterService:
         for slot in self.handles.prefill:
             await self._poll(slot, slot.handle.ready)
             m.health[("prefill", slot.name)] = slot.healthy
-        m.queue_length.set(self.queued)
 
     def _background(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -189,7 +208,7 @@ class ClusterService:
                 self._store_room.clear()
                 # A release sets it; a store that comes back healthy does not, hence the bound.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._store_room.wait(), min(left, 1.0))
+                    await deadline.wait(self._store_room.wait(), at_most=1.0)
         finally:
             self._store_waiters.remove(ticket)
             self._store_room.set()  # the next in line may fit now
@@ -210,7 +229,7 @@ class ClusterService:
         store_bytes = (len(prompt_ids) + params.max_tokens + c.block_size) * self.kv_bytes_per_token
         # A deadline checked at every await, not asyncio.timeout(): that binds to the task that
         # enters it, and later events are pulled by other tasks (the response's, a hang-up watch).
-        deadline = _Deadline(self.config.request_timeout_s)
+        deadline = _Deadline(self.config.request_timeout_s, self._stop_signal())
         started = time.perf_counter()  # TTFT and E2E count a wait for room in a store, as a client sees it
         m = self.metrics
         try:
@@ -218,7 +237,7 @@ class ClusterService:
         except TimeoutError:  # waited for store room until the deadline: an error, as a later timeout is
             m.requests.labels(status="error").inc()
             raise
-        except (asyncio.CancelledError, GeneratorExit):  # the client hung up while waiting
+        except (asyncio.CancelledError, GeneratorExit, ShuttingDown):  # the client hung up, or the server stops
             m.requests.labels(status="abort").inc()
             raise
         m.running.inc()
@@ -288,6 +307,9 @@ class ClusterService:
             if status != "success":  # closed after the final event is a normal end
                 status = "abort"
             raise
+        except ShuttingDown:
+            status = "abort"
+            raise
         except Exception:
             # A worker that raised is not asked to abort; one that is only late still holds the request.
             worker_failed = not deadline.expired
@@ -317,6 +339,8 @@ class ClusterService:
     async def _cancel(self, assignment, prefill_ref, prefilled: bool, decode_started: bool) -> None:
         """Free the request's KV wherever it is (decode pool and store, or store only). The store
         is told directly, not through the prefill worker: that one may have died with the request."""
+        if self.cluster_down:  # nothing left to free, and an actor call would start a new local Ray
+            return
         try:
             if decode_started:
                 assignment.decode.handle.abort.remote(assignment.request_id)
@@ -342,18 +366,33 @@ async def _await(ref):
 
 
 class _Deadline:
-    """Awaits under one overall time limit; `expired` tells a timeout of ours from a worker's."""
+    """Awaits under one overall time limit, and until the server stops; `expired` tells a
+    timeout of ours from a worker's."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, stopping: asyncio.Future | None = None):
         self.at = time.monotonic() + seconds
         self.expired = False
+        self.stopping = stopping
 
-    async def wait(self, awaitable):
+    async def wait(self, awaitable, at_most: float | None = None):
+        left = max(0.0, self.at - time.monotonic())
+        task = asyncio.ensure_future(awaitable)
+        waiters = {task} if self.stopping is None else {task, self.stopping}
         try:
-            return await asyncio.wait_for(awaitable, max(0.0, self.at - time.monotonic()))
-        except TimeoutError:
-            self.expired = time.monotonic() >= self.at
+            done, _ = await asyncio.wait(waiters, timeout=left if at_most is None else min(left, at_most),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
             raise
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        if self.stopping is not None and self.stopping.done():
+            raise ShuttingDown("the server is shutting down")
+        self.expired = time.monotonic() >= self.at
+        raise TimeoutError
 
 
 def _restart_ray_actor(handle) -> None:

@@ -76,6 +76,10 @@ def test_a_wait_ends_at_the_request_timeout_and_leaves_the_queue():
     asyncio.run(run())
 
 
+def queue_length(service) -> float:
+    return service.metrics.registry.get_sample_value("oasiskv_queue_length")
+
+
 def test_requests_that_time_out_or_hang_up_while_waiting_are_counted():
     """oasiskv_requests_total counted neither: the wait happens before the request is running."""
     def count(service, status):
@@ -91,11 +95,11 @@ def test_requests_that_time_out_or_hang_up_while_waiting_are_counted():
         service.config = service.config.model_copy(update={"request_timeout_s": 60.0})
         gone = asyncio.ensure_future(anext(service.generate("gone", [1] * 100, params)))
         await settle()
-        assert service.queued == 1
+        assert service.queued == 1 and queue_length(service) == 1.0  # no health poll ran: the gauge reads it
         gone.cancel()
         await asyncio.gather(gone, return_exceptions=True)
         assert (count(service, "error"), count(service, "abort"), service.queued) == (1, 1, 0)
-        assert service.metrics.running._value.get() == 0
+        assert service.metrics.running._value.get() == 0 and queue_length(service) == 0.0
 
     asyncio.run(run())
 
