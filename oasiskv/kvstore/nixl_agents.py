@@ -121,17 +121,19 @@ class NixlTarget:
             self.peers[name] = self.peers.get(name, 0) + 1
             return name
 
-    def remove_peer(self, name: str) -> None:
+    def remove_peer(self, name: str) -> bool:
+        """One connection of this client closed; True when it was its last."""
         with self.lock:
             count = self.peers.get(name, 0) - 1
             if count > 0:
                 self.peers[name] = count
-                return
+                return False
             self.peers.pop(name, None)
             try:
                 self.agent.remove_remote_agent(name)
             except Exception as exc:
                 log.debug("remove_remote_agent(%s): %s", name, exc)
+            return True
 
     def close(self) -> None:
         self._stop.set()

@@ -334,16 +334,28 @@ class NixlTransport(TcpTransport):
                 self._take_notices()  # also when idle: undrained notices pile up in the store
             except nixl_errors() as exc:
                 log.debug("NIXL notifications not taken: %s", exc)
-            self._report_reads(wait=False)
+            if not self._report_reads(wait=False) and self._tables:
+                # A heartbeat while tables are cached: a connection the store closed is noticed
+                # (and the tables forgotten, see _drop) within a second, not at the next call.
+                try:
+                    self._submit({"op": "ping"}, [], None)
+                except KVStoreError:
+                    pass
 
-    def _report_reads(self, wait: bool, closing: bool = False) -> None:
+    def _drop(self) -> None:
+        # Free notices sent while disconnected are lost, and the store lets this client's holds
+        # go a few seconds after it sees the connection close: no table may outlive it.
+        super()._drop()
+        self.forget_all()
+
+    def _report_reads(self, wait: bool, closing: bool = False) -> bool:
         """Tell the store what was read since the last report (metrics + TTL refresh) and which
         block tables this client dropped (the store may then reuse that memory)."""
         with self._reads_lock:
             reads, self._reads = self._reads, {}
         released, done = self._releases()
         if not (reads or released or done or closing):
-            return
+            return False
         header = {"op": "report", "reads": reads, "released": released, "done": done, "closing": closing}
         try:
             future = self._submit(header, [], None)
@@ -351,6 +363,7 @@ class NixlTransport(TcpTransport):
                 future.result(2 * self.timeout)
         except (KVStoreError, concurrent.futures.TimeoutError) as exc:
             log.debug("read report not delivered: %s", exc)
+        return True
 
     def close(self) -> None:
         if self._closed:

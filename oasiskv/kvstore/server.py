@@ -261,8 +261,8 @@ class KVStoreServer:
         with self._conn_lock:
             self._connections.discard(conn)
             self.metrics.connections.set(len(self._connections))
-        if conn.nixl_peer is not None and self.nixl is not None:
-            self.nixl.remove_peer(conn.nixl_peer)
+        if conn.nixl_peer is not None and self.nixl is not None and self.nixl.remove_peer(conn.nixl_peer):
+            self.store.holder_gone(conn.nixl_peer)
         try:
             conn.sock.close()
         except OSError:

@@ -38,6 +38,9 @@ MAX_REQUEST_ID_LEN = 256
 # Live NIXL clients drop a freed request's table within about a second; a holder silent this long
 # has died with it (or is stuck), and the memory goes back to the allocator.
 MAX_HOLD_S = 60.0
+# A live NIXL client notices within about a second that its connection closed, and forgets its
+# tables; one whose connection stays closed this long has died.
+DISCONNECTED_HOLD_S = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +133,7 @@ class KVStore:
         self.metrics = StoreMetrics(capacity_bytes)
         self._requests: dict[str, _Request] = {}
         self._held: dict[int, _Request] = {}  # serial -> retired request a NIXL client may still touch
+        self._gone: dict[str, float] = {}  # disconnected holder -> when its holds end
         self.hold_s = min(ttl_s, MAX_HOLD_S)
         # A random start: a client's release of a serial from a store that restarted must not
         # match one of this store's.
@@ -230,9 +234,15 @@ class KVStore:
                 touched += [self._requests[i] for i in ids if i in self._requests]
             if everything:
                 touched = [*self._held.values(), *self._requests.values()]
+                self._gone.pop(holder, None)
             for request in touched:
                 request.holders.discard(holder)
                 self._release_if_unused(request)
+
+    def holder_gone(self, holder: str) -> None:
+        """A NIXL client's last connection closed: unless it says hello again, its holds end soon."""
+        with self._lock:
+            self._gone[holder] = self.clock() + min(DISCONNECTED_HOLD_S, self.hold_s)
 
     def held_requests(self) -> int:
         with self._lock:
@@ -411,6 +421,13 @@ class KVStore:
     def _end_overdue_holds(self) -> None:
         now = self.clock()
         with self._lock:
+            gone = {h for h, at in self._gone.items() if at < now}
+            for holder in gone:
+                del self._gone[holder]
+            if gone:
+                for request in [*self._held.values(), *self._requests.values()]:
+                    request.holders -= gone
+                    self._release_if_unused(request)
             overdue = [r for r in self._held.values() if r.hold_deadline < now]
             for request in overdue:
                 log.warning("request %r: NIXL clients %s did not drop its block table within %.0f s of its free; "

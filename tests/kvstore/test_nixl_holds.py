@@ -4,6 +4,7 @@ table: it holds the memory until the client releases the table, reconnects, or t
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
@@ -155,8 +156,32 @@ def test_a_nixl_client_that_reconnects_holds_nothing(server):
         reader.close()
 
 
-def test_the_hold_of_a_nixl_client_that_died_ends_after_the_hold_time():
-    srv = KVStoreServer(capacity_bytes=8 << 20, prefault=False, ttl_s=2.0)  # holds last min(ttl, 60 s)
+def test_a_nixl_client_whose_connection_the_store_closed_forgets_its_tables_within_a_second(server):
+    owner = connect(server, transport="tcp")
+    reader = connect(server, transport="nixl")
+    try:
+        request = rid()
+        owner.allocate(request, LAYOUT, TOKENS)
+        reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
+        with server._conn_lock:
+            (conn,) = [c for c in server._connections if c.nixl_peer == reader.transport.client_name]
+        conn.sock.shutdown(socket.SHUT_RDWR)  # the store drops the client (a frame timeout, say)
+        # Its heartbeat finds the connection closed within a second and the tables go; the store
+        # lets the holds of a client gone for a few seconds go.
+        assert wait_until(lambda: not reader.transport._tables, 3.0), "the client kept its tables"
+        owner.free(request)
+        assert wait_until(lambda: held(owner) == 0, 8.0)
+        with pytest.raises(UnknownRequest):
+            reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
+    finally:
+        owner.close()
+        reader.close()
+
+
+def test_the_hold_of_a_nixl_client_that_died_ends_soon_after_its_connection_closed():
+    """Holds of a client whose connection closed end after a few seconds (min(ttl, 5 s)), not the
+    60 s a connected but silent client gets."""
+    srv = KVStoreServer(capacity_bytes=8 << 20, prefault=False, ttl_s=600)
     srv.start()
     owner = connect(srv, transport="tcp")
     script = textwrap.dedent(f"""
@@ -178,9 +203,29 @@ def test_the_hold_of_a_nixl_client_that_died_ends_after_the_hold_time():
         reader.wait()
         owner.free(request)
         assert held(owner) == 1
-        assert wait_until(lambda: held(owner) == 0, 8.0)
+        assert wait_until(lambda: held(owner) == 0, 12.0)
         assert owner.stats().used_bytes == 0
+    finally:
+        owner.close()
+        srv.stop()
+
+
+def test_the_hold_of_a_connected_client_that_never_releases_ends_after_the_hold_time():
+    srv = KVStoreServer(capacity_bytes=8 << 20, prefault=False, ttl_s=2.0)  # holds last min(ttl, 60 s)
+    srv.start()
+    owner = connect(srv, transport="tcp")
+    reader = connect(srv, transport="nixl")
+    try:
+        request = rid()
+        owner.allocate(request, LAYOUT, TOKENS)
+        reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
+        reader.transport._stop_reports.set()  # stuck: it never takes the free notice
+        reader.transport._reporter.join()
+        owner.free(request)
+        assert held(owner) == 1
+        assert wait_until(lambda: held(owner) == 0, 6.0)
         assert 'oasiskv_kvstore_requests_events_total{event="hold_expired"} 1.0' in owner.metrics_text()
     finally:
         owner.close()
+        reader.close()
         srv.stop()
