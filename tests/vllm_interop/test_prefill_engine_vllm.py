@@ -70,3 +70,16 @@ def test_logprobs_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
     assert max(abs(a - e.logprob) for a, e in zip(logprobs.token_logprobs, expected.logprobs, strict=True)) < 1e-3
     assert [sorted(d) for d in logprobs.top_logprobs] == [
         sorted({smollm2_llm.tokenizer.decode([t]) for t, _ in e.top}) for e in expected.logprobs]
+
+
+def test_penalties_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
+    """vLLM's first token is penalized as OasisKV's decode penalizes the rest (repetition: the prompt's tokens)."""
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3,"
+    ids = smollm2_llm.encode(prompt)
+    for penalties in ({"frequency_penalty": 1.0}, {"repetition_penalty": 1.3}):
+        expected = smollm2_llm.generate([ids], SamplingParams(max_tokens=16, **penalties))[0].text
+        kwargs = {k: v for k, v in penalties.items() if k != "repetition_penalty"}
+        extra = {k: v for k, v in penalties.items() if k == "repetition_penalty"}
+        out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                        extra_body=extra, **kwargs)
+        assert out.choices[0].text == expected
