@@ -310,9 +310,13 @@ class ClusterService:
         except ShuttingDown:
             status = "abort"
             raise
-        except Exception:
+        except Exception as exc:
             # A worker that raised is not asked to abort; one that is only late still holds the request.
             worker_failed = not deadline.expired
+            if _actor_died(exc):
+                # No more requests go to it until it answers a health poll again: until the next
+                # poll (2 s) the router kept choosing it, and each such request failed.
+                (assignment.decode if decode_started else assignment.prefill).healthy = False
             raise
         finally:
             if status != "success":
@@ -393,6 +397,12 @@ class _Deadline:
             raise ShuttingDown("the server is shutting down")
         self.expired = time.monotonic() >= self.at
         raise TimeoutError
+
+
+def _actor_died(error: BaseException) -> bool:
+    from ray.exceptions import RayActorError
+
+    return isinstance(error, RayActorError)
 
 
 def _restart_ray_actor(handle) -> None:
