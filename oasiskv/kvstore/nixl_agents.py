@@ -27,7 +27,7 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -121,19 +121,21 @@ class NixlTarget:
             self.peers[name] = self.peers.get(name, 0) + 1
             return name
 
-    def remove_peer(self, name: str) -> bool:
-        """One connection of this client closed; True when it was its last."""
+    def remove_peer(self, name: str, on_last: Callable[[], None] | None = None) -> None:
+        """One connection of this client closed; `on_last` runs, under the lock, if it was its
+        last: a hello of the same client (add_peer) cannot slip in between."""
         with self.lock:
             count = self.peers.get(name, 0) - 1
             if count > 0:
                 self.peers[name] = count
-                return False
+                return
             self.peers.pop(name, None)
             try:
                 self.agent.remove_remote_agent(name)
             except Exception as exc:
                 log.debug("remove_remote_agent(%s): %s", name, exc)
-            return True
+            if on_last is not None:
+                on_last()
 
     def close(self) -> None:
         self._stop.set()
@@ -176,6 +178,11 @@ class NixlTarget:
                         log.debug("send_notif to %s: %s", peer, exc)
 
 
+class StaleConnection(Exception):
+    """The client reconnected (to the same store or a restarted one) after a transfer looked up
+    its block table: the table may be stale, so the transfer must look it up again."""
+
+
 class NixlInitiator:
     """Client side: one agent, registered local buffers, transfers to one store."""
 
@@ -184,6 +191,7 @@ class NixlInitiator:
         self.agent = make_agent(name)
         self.lock = threading.Lock()
         self.remote: str | None = None
+        self.generation = 0  # one more at each connect: a table looked up before it may be stale
         self.arena_base = 0
         self.arena_bytes = 0
         # (start, end, tensor, registration): tensors stay referenced while registered.
@@ -202,6 +210,7 @@ class NixlInitiator:
                     pass
             name = self.agent.add_remote_agent(store_metadata)
             self.remote = name.decode() if isinstance(name, bytes) else name
+            self.generation += 1
             self.arena_base = arena_base
             self.arena_bytes = arena_bytes
 
@@ -259,7 +268,7 @@ class NixlInitiator:
         return freed
 
     def post(self, op: str, local: torch.Tensor, local_offsets: np.ndarray, remote_offsets: np.ndarray,
-             lengths: np.ndarray) -> tuple[Any, str, Any]:
+             lengths: np.ndarray, generation: int | None = None) -> tuple[Any, str, Any]:
         """Start one batched transfer of runs (local_offsets[i] <-> arena remote_offsets[i]).
 
         Returns (transfer handle, state, transient registration). A buffer not registered with
@@ -286,6 +295,8 @@ class NixlInitiator:
         remote_descs[:, 2] = 0
         try:
             with self.lock:
+                if generation is not None and generation != self.generation:
+                    raise StaleConnection(f"connection {self.generation}, table of connection {generation}")
                 handle = self.agent.initialize_xfer(
                     op,
                     self.agent.get_xfer_descs(local_descs, mem),
@@ -305,16 +316,19 @@ class NixlInitiator:
         with self.lock:
             return self.agent.check_xfer_state(handle)
 
-    def release(self, handle: Any, transient: Any = None) -> None:
-        """Free a finished (or abandoned: NIXL cancels it) transfer and its transient registration."""
+    def release(self, handle: Any, transient: Any = None) -> bool:
+        """Free a finished (or abandoned: NIXL cancels it) transfer and its transient registration.
+        False: NIXL refused (a transfer still running may); both are kept, to be released later."""
         with self.lock:
             if handle is not None:
                 try:
                     self.agent.release_xfer_handle(handle)
                 except Exception as exc:  # an unfinished transfer may refuse to be released
                     log.debug("release_xfer_handle: %s", exc)
+                    return False
             if transient is not None:
                 try:
                     self.agent.deregister_memory(transient)
                 except Exception as exc:
                     log.debug("deregister_memory: %s", exc)
+        return True

@@ -27,10 +27,10 @@ import torch
 from .errors import InvalidArgument, KVStoreError, ProtocolError, StoreTimeout, StoreUnavailable, TransferError
 from .hostmem import merge_runs
 from .layout import KVLayout
-from .nixl_agents import NixlInitiator, nixl_available, nixl_errors
+from .nixl_agents import NixlInitiator, StaleConnection, nixl_available, nixl_errors
 from .protocol import index_payload
 from .store import RequestInfo
-from .tcp import TcpTransport
+from .tcp import TcpTransport, _read_all
 from .transport import CompletedHandle, TransferHandle
 
 log = logging.getLogger(__name__)
@@ -109,8 +109,10 @@ class NixlHandle(TransferHandle):
         if detached is None:  # settled already
             return
         xfer, transient, request_id = detached[2][0]
-        self._transport.initiator.release(xfer, transient)
-        self._transport.transfer_ended(request_id)
+        if self._transport.initiator.release(xfer, transient):
+            self._transport.transfer_ended(request_id)
+        else:  # still running (NIXL refused to let it go): its request stays held until it ends
+            self._transport.orphans.put((xfer, transient, request_id))
 
     def _fail(self, error: KVStoreError) -> None:
         self._error = error
@@ -152,9 +154,12 @@ class NixlTransport(TcpTransport):
         with self._tables_lock:
             self._tables.clear()
             self._unreleased.clear()
-            self._done_with.clear()
+            # Requests with transfers still running keep their holds (a transfer posted through an
+            # old table may still be moving data); they are released by id once those end.
+            keep = [r for r, n in self._in_flight.items() if n]
+            self._done_with = list(keep)
         header, _ = super()._hello_request()
-        return {**header, "nixl": True}, [self.initiator.metadata]
+        return {**header, "nixl": True, "keep": keep}, [self.initiator.metadata]
 
     def _on_hello(self, reply: dict[str, Any], data: bytes) -> None:
         info = reply.get("nixl")
@@ -172,12 +177,15 @@ class NixlTransport(TcpTransport):
         return super().extend(request_id, num_tokens)
 
     def free(self, request_id: str) -> None:
+        # Idle: this client's table is gone and nothing of its own is in flight, so the store may
+        # reuse the memory at once; otherwise it waits for this client's release after the notice.
+        # Sent under the lock: a transfer of another thread that starts after this look reaches
+        # the store after the free (one socket, in order), so it cannot hold a table the free let go.
         with self._tables_lock:
             self._tables.pop(request_id, None)
             idle = not self._in_flight.get(request_id)
-        # Idle: this client's table is gone and nothing of its own is in flight, so the store may
-        # reuse the memory at once; otherwise it waits for this client's release after the notice.
-        self._call({"op": "free", "rid": request_id, "forgotten": idle})
+            future = self._submit({"op": "free", "rid": request_id, "forgotten": idle}, [], _read_all)
+        self._answer(future, "free")
 
     def release(self, request_id: str) -> None:
         """This client will not touch the request again (it stays allocated for others)."""
@@ -223,26 +231,42 @@ class NixlTransport(TcpTransport):
                 self._unreleased[serial] = request_id
 
     def _releases(self) -> tuple[list[int], list[str]]:
-        """Freed allocations whose table this client no longer uses, and requests it is done with."""
-        with self._tables_lock:
-            serials = [s for s, r in self._unreleased.items() if not self._in_flight.get(r)]
-            for serial in serials:
-                # Again: a describe that raced the notice may have cached the table after it.
-                self._tables.pop(self._unreleased.pop(serial), None)
-            done = [r for r in self._done_with if not self._in_flight.get(r)]
-            self._done_with = [r for r in self._done_with if self._in_flight.get(r)]
+        """Freed allocations whose table this client no longer uses, and requests it is done with.
+        The caller holds _tables_lock and sends them before letting it go (see free())."""
+        serials = [s for s, r in self._unreleased.items() if not self._in_flight.get(r)]
+        done = [r for r in self._done_with if not self._in_flight.get(r)]
+        for serial in serials:
+            # Again: a describe that raced the notice may have cached the table after it.
+            self._tables.pop(self._unreleased.pop(serial), None)
+        for request_id in done:
+            self._tables.pop(request_id, None)  # re-described since: it is held again from the next use
+        self._done_with = [r for r in self._done_with if self._in_flight.get(r)]
         return serials, done
 
     def _settle_orphans(self) -> None:
+        unreleased = []
         while True:
             try:
                 xfer, transient, request_id = self.orphans.get_nowait()
             except queue.Empty:
-                return
-            self.initiator.release(xfer, transient)
-            self.transfer_ended(request_id)
+                break
+            if self.initiator.release(xfer, transient):
+                self.transfer_ended(request_id)
+            else:
+                unreleased.append((xfer, transient, request_id))
+        for orphan in unreleased:  # tried again at the next report
+            self.orphans.put(orphan)
 
-    def _table(self, request_id: str, needed_blocks: int) -> tuple[RequestInfo, np.ndarray]:
+    def _describe_held(self, request_id: str) -> tuple[RequestInfo, np.ndarray, int]:
+        """The request's info and table, held for this client, and the connection generation
+        they belong to (read on the thread that made the connection, so it is the one that answered)."""
+        def land(reply: dict[str, Any], payload) -> tuple[RequestInfo, np.ndarray, int]:
+            table = np.frombuffer(payload.read_bytes(payload.remaining), dtype="<i8").astype(np.int64)
+            return RequestInfo.from_wire(reply["info"]), table, self.initiator.generation
+
+        return self._call({"op": "describe", "rid": request_id, "hold": True}, land=land)
+
+    def _table(self, request_id: str, needed_blocks: int) -> tuple[RequestInfo, np.ndarray, int]:
         """The request's block table; the caller has counted its transfer in _in_flight, so a
         release for this request waits until that transfer is over."""
         self._take_notices()
@@ -251,7 +275,7 @@ class NixlTransport(TcpTransport):
             if cached is not None:
                 self._tables.move_to_end(request_id)
         if cached is None or cached[1].size < needed_blocks:
-            cached = self.describe_table(request_id, hold=True)
+            cached = self._describe_held(request_id)
             with self._tables_lock:
                 self._tables[request_id] = cached
                 while len(self._tables) > self.MAX_CACHED_TABLES:
@@ -286,7 +310,7 @@ class NixlTransport(TcpTransport):
     def _post(self, op: str, request_id: str, layout: KVLayout, layers: np.ndarray, heads: np.ndarray,
               blocks: np.ndarray, buffer: torch.Tensor, offsets: np.ndarray, retry: bool = True) -> TransferHandle:
         n = layers.size
-        info, table = self._table(request_id, int(blocks.max()) + 1 if n else 0)
+        info, table, generation = self._table(request_id, int(blocks.max()) + 1 if n else 0)
         if info.layout.unit_bytes != layout.unit_bytes:  # the id was reused for another geometry
             raise InvalidArgument(
                 f"request {request_id!r} has {info.layout.unit_bytes}-byte units, the client assumed {layout.unit_bytes}",
@@ -307,10 +331,17 @@ class NixlTransport(TcpTransport):
             idx = index_payload(layers, heads, blocks)
 
             def commit() -> concurrent.futures.Future:
-                return self._submit({"op": "commit", "rid": request_id, "n": n}, [idx], None)
+                # With the allocation's serial: a write through the table of a freed allocation of
+                # this id (allocated again since) is refused, not counted as landed.
+                return self._submit({"op": "commit", "rid": request_id, "n": n, "serial": info.serial}, [idx], None)
 
         try:
-            xfer, state, transient = self.initiator.post(op, buffer, local_starts, remote_starts, lengths)
+            xfer, state, transient = self.initiator.post(op, buffer, local_starts, remote_starts, lengths, generation)
+        except StaleConnection:  # reconnected since the table was looked up: it may point anywhere now
+            if retry:
+                return self._post(op, request_id, layout, layers, heads, blocks, buffer, offsets, retry=False)
+            raise StoreUnavailable(f"the connection to the store at {self.address} changed twice during one "
+                                   f"NIXL {op}; retry it", address=self.address) from None
         except nixl_errors() as exc:  # e.g. nixlRemoteDisconnectError: the store process is gone
             self.forget_all()
             if retry:
@@ -353,12 +384,13 @@ class NixlTransport(TcpTransport):
         block tables this client dropped (the store may then reuse that memory)."""
         with self._reads_lock:
             reads, self._reads = self._reads, {}
-        released, done = self._releases()
-        if not (reads or released or done or closing):
-            return False
-        header = {"op": "report", "reads": reads, "released": released, "done": done, "closing": closing}
         try:
-            future = self._submit(header, [], None)
+            with self._tables_lock:
+                released, done = self._releases()
+                if not (reads or released or done or closing):
+                    return False
+                header = {"op": "report", "reads": reads, "released": released, "done": done, "closing": closing}
+                future = self._submit(header, [], None)
             if wait:
                 future.result(2 * self.timeout)
         except (KVStoreError, concurrent.futures.TimeoutError) as exc:

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .config import KVStoreConfig
-from .errors import InvalidArgument, KVStoreError, ProtocolError, RemoteError
+from .errors import InvalidArgument, KVStoreError, ProtocolError, RemoteError, UnknownRequest
 from .hostmem import byte_view, merge_runs
 from .layout import KVLayout
 from .protocol import VERSION, ConnectionClosed, Payload, recv_frame_header, send_error, send_frame
@@ -261,8 +261,9 @@ class KVStoreServer:
         with self._conn_lock:
             self._connections.discard(conn)
             self.metrics.connections.set(len(self._connections))
-        if conn.nixl_peer is not None and self.nixl is not None and self.nixl.remove_peer(conn.nixl_peer):
-            self.store.holder_gone(conn.nixl_peer)
+        if conn.nixl_peer is not None and self.nixl is not None:
+            peer = conn.nixl_peer
+            self.nixl.remove_peer(peer, on_last=lambda: self.store.holder_gone(peer))
         try:
             conn.sock.close()
         except OSError:
@@ -287,8 +288,10 @@ class KVStoreServer:
             metadata = payload.read_bytes(payload.remaining)
             if metadata:
                 conn.nixl_peer = self.nixl.add_peer(bytes(metadata))
-                # A client forgets every block table before it says hello (again).
-                self.store.release_holds(conn.nixl_peer, everything=True)
+                # A client forgets every block table before it says hello (again), but for those of
+                # requests it still has transfers running on: it releases them when they end.
+                self.store.release_holds(conn.nixl_peer, everything=True,
+                                         keep=[str(r) for r in header.get("keep") or ()])
             reply["nixl"] = {
                 "agent": self.nixl.name,
                 "arena_base": self.store.base,
@@ -357,6 +360,10 @@ class KVStoreServer:
         n = _count(header)
         layers, heads, blocks = payload.read_indices(n)
         with self.store.pinned(str(header["rid"])) as request:
+            if header.get("serial") not in (None, request.serial):
+                raise UnknownRequest(
+                    f"request {request.request_id!r} was freed and allocated again: this write went to the freed "
+                    "allocation (the writer's block table predates the new one)", request_id=request.request_id)
             layers, heads, blocks, _ = self.store.unit_offsets(request, layers, heads, blocks)
             self.store.summarize(request, layers, heads, blocks)
             unit = request.layout.unit_bytes

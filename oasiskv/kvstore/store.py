@@ -54,6 +54,7 @@ class RequestInfo:
     num_tokens: int
     num_blocks: int
     nbytes: int  # arena bytes held (KV + summaries)
+    serial: int = 0  # this allocation of the id (a freed id allocated again gets another)
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -62,13 +63,14 @@ class RequestInfo:
             "num_tokens": self.num_tokens,
             "num_blocks": self.num_blocks,
             "nbytes": self.nbytes,
+            "serial": self.serial,
         }
 
     @staticmethod
     def from_wire(data: dict[str, Any]) -> "RequestInfo":
         return RequestInfo(
             str(data["request_id"]), KVLayout.from_wire(data["layout"]),
-            int(data["num_tokens"]), int(data["num_blocks"]), int(data["nbytes"]),
+            int(data["num_tokens"]), int(data["num_blocks"]), int(data["nbytes"]), int(data.get("serial", 0)),
         )
 
 
@@ -88,7 +90,7 @@ class _Request:
     def info(self) -> RequestInfo:
         return RequestInfo(
             self.request_id, self.layout, self.num_tokens, int(self.table.size),
-            int(self.table.size) * self.layout.chunk_bytes,
+            int(self.table.size) * self.layout.chunk_bytes, self.serial,
         )
 
 
@@ -223,9 +225,10 @@ class KVStore:
         self._notify_released(request)
 
     def release_holds(self, holder: str, serials: Iterable[int] = (), request_ids: Iterable[str] = (),
-                      everything: bool = False) -> None:
+                      everything: bool = False, keep: Iterable[str] = ()) -> None:
         """A NIXL client dropped the tables of these freed allocations (serials from the free
-        notices), of these requests (freed or not), or every table (it reconnected)."""
+        notices), of these requests (freed or not), or every table (it reconnected) but those of
+        the requests in `keep` (it still has transfers running on them)."""
         with self._lock:
             touched = [self._held[s] for s in serials if s in self._held]
             ids = set(request_ids)
@@ -233,7 +236,8 @@ class KVStore:
                 touched += [r for r in self._held.values() if r.request_id in ids]
                 touched += [self._requests[i] for i in ids if i in self._requests]
             if everything:
-                touched = [*self._held.values(), *self._requests.values()]
+                kept = set(keep)
+                touched = [r for r in (*self._held.values(), *self._requests.values()) if r.request_id not in kept]
                 self._gone.pop(holder, None)
             for request in touched:
                 request.holders.discard(holder)

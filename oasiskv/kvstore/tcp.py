@@ -82,10 +82,8 @@ class TcpTransport(Transport):
     def describe(self, request_id: str) -> RequestInfo:
         return self.describe_table(request_id)[0]
 
-    def describe_table(self, request_id: str, hold: bool = False) -> tuple[RequestInfo, np.ndarray]:
-        """hold: a NIXL client will access the arena through this table (the store then keeps a
-        freed request's memory until the client releases it)."""
-        reply, data = self._call({"op": "describe", "rid": request_id, "hold": hold})
+    def describe_table(self, request_id: str) -> tuple[RequestInfo, np.ndarray]:
+        reply, data = self._call({"op": "describe", "rid": request_id})
         return RequestInfo.from_wire(reply["info"]), np.frombuffer(data, dtype="<i8").astype(np.int64)
 
     def free(self, request_id: str) -> None:
@@ -162,12 +160,14 @@ class TcpTransport(Transport):
     # --- plumbing ------------------------------------------------------------------------
 
     def _call(self, header: dict[str, Any], payloads: list[Any] = (), land: Land | None = _read_all) -> Any:
-        future = self._submit(header, payloads, land)
+        return self._answer(self._submit(header, payloads, land), header["op"])
+
+    def _answer(self, future: concurrent.futures.Future, op: str) -> Any:
         try:
             # Socket timeouts bound each step of the call; this bounds a call queued behind others.
             return future.result(2 * self.timeout)
         except concurrent.futures.TimeoutError:
-            raise StoreTimeout(f"store at {self.address} did not answer {header['op']!r} within {2 * self.timeout:.0f}s") from None
+            raise StoreTimeout(f"store at {self.address} did not answer {op!r} within {2 * self.timeout:.0f}s") from None
 
     def _submit(self, header: dict[str, Any], payloads: list[Any], land: Land | None) -> concurrent.futures.Future:
         if self._closed:

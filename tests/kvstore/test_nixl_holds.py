@@ -4,10 +4,12 @@ table: it holds the memory until the client releases the table, reconnects, or t
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
@@ -229,3 +231,111 @@ def test_the_hold_of_a_connected_client_that_never_releases_ends_after_the_hold_
         owner.close()
         reader.close()
         srv.stop()
+
+
+# --- races inside one client (the delays stand in for a thread switch at the worst moment) ----
+
+
+def test_a_transfer_racing_its_own_clients_free_cannot_cache_a_table_the_store_let_go(slow_notice_server):
+    owner = connect(slow_notice_server, transport="tcp")
+    client = connect(slow_notice_server, transport="nixl")
+    transport = client.transport
+    submit = transport._submit
+
+    def slow_submit(header, *args):
+        if header.get("op") == "free":
+            time.sleep(0.2)  # between the free's look at the transfers in flight and its sending
+        return submit(header, *args)
+
+    try:
+        old, new = rid(), rid()
+        client.allocate(old, LAYOUT, TOKENS)
+        client.write_blocks(old, 0, 0, 0, filled(1.0)).wait()
+        transport._submit = slow_submit
+        freeing = threading.Thread(target=client.free, args=(old,))
+        freeing.start()
+        time.sleep(0.05)
+        with contextlib.suppress(UnknownRequest):  # it looks the table up after the free: gone
+            client.write_blocks(old, 0, 0, 0, filled(2.0)).wait()
+        freeing.join()
+        transport._submit = submit
+        assert old not in transport._tables or held(owner) == 1  # never a cached table the store let go
+        owner.allocate(new, LAYOUT, TOKENS)
+        owner.write_blocks(new, 0, 0, 0, filled(7.0)).wait()
+        with contextlib.suppress(UnknownRequest):
+            client.write_blocks(old, 0, 0, 0, filled(99.0)).wait()
+        back = filled(0.0)
+        owner.read_blocks(new, 0, 0, 0, back).wait()
+        assert torch.equal(back, filled(7.0))
+    finally:
+        transport._submit = submit
+        owner.close()
+        client.close()
+
+
+def test_a_reconnect_keeps_the_holds_of_transfers_still_running(server):
+    owner = connect(server, transport="tcp")
+    client = connect(server, transport="nixl")
+    transport = client.transport
+    post = transport.initiator.post
+
+    def slow_post(*args, **kwargs):
+        if threading.current_thread().name == "slow-writer":
+            time.sleep(0.5)  # the thread is descheduled between its table lookup and the post
+        return post(*args, **kwargs)
+
+    try:
+        old, new = rid(), rid()
+        owner.allocate(old, LAYOUT, TOKENS)
+        client.write_blocks(old, 0, 0, 0, filled(1.0)).wait()
+        transport.initiator.post = slow_post
+        outcome = {}
+
+        def write() -> None:
+            try:
+                client.write_blocks(old, 0, 0, 0, filled(99.0)).wait()
+                outcome["write"] = "landed"
+            except UnknownRequest:
+                outcome["write"] = "refused"
+
+        writer = threading.Thread(target=write, name="slow-writer")
+        writer.start()
+        time.sleep(0.1)
+        owner.free(old)
+        transport._executor.submit(transport._drop).result()  # its connection drops
+        client.stats()  # and comes back: hello
+        assert held(owner) == 1  # the write still running keeps the hold
+        owner.allocate(new, LAYOUT, TOKENS)
+        owner.write_blocks(new, 0, 0, 0, filled(7.0)).wait()
+        writer.join()
+        assert outcome["write"] == "refused"  # its table was from before the reconnect: looked up again
+        back = filled(0.0)
+        owner.read_blocks(new, 0, 0, 0, back).wait()
+        assert torch.equal(back, filled(7.0))
+        assert wait_until(lambda: held(owner) == 0, 5.0)  # released once the write ended
+    finally:
+        transport.initiator.post = post
+        owner.close()
+        client.close()
+
+
+def test_a_write_through_the_table_of_an_id_freed_and_allocated_again_is_refused(slow_notice_server):
+    """The same id, allocated again by another client: the free notice has not arrived, and the
+    stale write lands in the old (held) allocation. It used to be reported as written."""
+    other = connect(slow_notice_server, transport="tcp")
+    client = connect(slow_notice_server, transport="nixl")
+    try:
+        request = rid()
+        other.allocate(request, LAYOUT, TOKENS)
+        client.write_blocks(request, 0, 0, 0, filled(1.0)).wait()  # caches this allocation's table
+        other.free(request)
+        other.allocate(request, LAYOUT, TOKENS)
+        other.write_blocks(request, 0, 0, 0, filled(2.0)).wait()
+        with pytest.raises(UnknownRequest, match="freed and allocated again"):
+            client.write_blocks(request, 0, 0, 1, filled(3.0)).wait()
+        back = filled(0.0)
+        other.read_blocks(request, 0, 0, 0, back).wait()
+        assert torch.equal(back, filled(2.0))
+    finally:
+        other.close()
+        client.close()
