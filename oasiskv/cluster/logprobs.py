@@ -38,9 +38,11 @@ class LogprobFormatter:
             tokens.append(text)
             offsets.append(self.text_offset)
             self.text_offset += len(text)
-            # As vLLM: the alternatives and the token itself, which may not be among them.
-            top = {self.text(t): lp for t, lp in e.top}
-            top.setdefault(text, e.logprob)
+            # As vLLM: the token itself and the alternatives. Tokens that decode alike (parts of
+            # characters) share a key: the token's own logprob first, then each alternative's best.
+            top = {text: e.logprob}
+            for t, lp in e.top:
+                top.setdefault(self.text(t), lp)
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
                 "text_offset": offsets}

@@ -50,8 +50,8 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: bool = False
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = 0.0  # null: the default, as OpenAI and vLLM take it
+    frequency_penalty: float | None = 0.0
     logprobs: bool | int | None = None
     user: str | None = None
     ignore_eos: bool = False
@@ -61,7 +61,7 @@ class _SamplingFields(BaseModel):
     # vLLM's extensions, as vLLM does them.
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = 1.0
     # vLLM's extensions that are not implemented: refused unless left at these values, since a
     # request that sets one expects it to take effect (they were ignored, and the output differed).
     min_tokens: int = 0
@@ -79,6 +79,11 @@ class _SamplingFields(BaseModel):
     # OasisKV extensions: how this request is decoded.
     oasiskv_mode: Mode | None = None
     oasiskv_budget_tokens: int | None = Field(None, ge=16)
+
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", mode="after")
+    @classmethod
+    def _null_is_default(cls, value, info):
+        return cls.model_fields[info.field_name].default if value is None else value
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -169,6 +174,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list | None = None
     tool_choice: str | dict | None = None
     top_logprobs: int | None = None
+    logprobs: bool | None = None  # chat's is a boolean (completions' a count): 3 is refused, as in vLLM
 
     def logprobs_requested(self) -> int | None:
         """How many alternatives each token's logprobs list; None: no logprobs."""

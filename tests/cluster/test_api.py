@@ -145,6 +145,12 @@ def test_chat_logprobs_match_the_engine_streamed_or_not(client, smollm2_llm):
     assert [len(i.top_logprobs) for i in only_token.choices[0].logprobs.content] == [0, 0, 0]
 
 
+def test_chat_logprobs_must_be_a_boolean(server):
+    """A count (completions' form) was taken as true and listed no alternatives; vLLM refuses it."""
+    response = _post(server, "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 3})
+    assert response.status_code == 422 and "logprobs" in response.text
+
+
 @pytest.mark.parametrize("path, extra, fragment", [
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs needs logprobs: true"),
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs must be in [0, 20]"),
@@ -175,6 +181,11 @@ def test_penalties_take_effect_as_in_the_engine_streamed_or_not(client, smollm2_
         pieces = [c.choices[0].text for c in client.completions.create(
             model=DEFAULT_MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True, extra_body=extra, **kwargs)]
         assert whole.choices[0].text == "".join(pieces) == expected
+    # null is the default, as OpenAI documents and vLLM takes it (it was a 422)
+    nulls = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                      presence_penalty=None, frequency_penalty=None,
+                                      extra_body={"repetition_penalty": None})
+    assert nulls.choices[0].text == plain
 
 
 def test_stop_token_ids_end_the_output_at_that_token(client, smollm2_llm):
