@@ -38,6 +38,38 @@ def held(client) -> int:
     return int(client.stats().extra["held_requests"])
 
 
+def read_unit(client, request: str, block: int = 0) -> torch.Tensor:
+    back = filled(0.0)
+    client.read_blocks(request, 0, 0, block, back).wait()
+    return back
+
+
+def cached_by(owner, reader) -> str:
+    """A request `owner` allocates and whose block table `reader` (NIXL) caches by reading it."""
+    request = rid()
+    owner.allocate(request, LAYOUT, TOKENS)
+    read_unit(reader, request)
+    return request
+
+
+def stop_reporting(client) -> None:
+    """The client's report thread stops: it no longer takes free notices, releases or heartbeats."""
+    client.transport._stop_reports.set()
+    client.transport._reporter.join()
+
+
+@contextlib.contextmanager
+def clients(server, *transports: str):
+    connected = []
+    try:
+        for transport in transports:
+            connected.append(connect(server, transport=transport))
+        yield connected
+    finally:
+        for client in connected:
+            client.close()
+
+
 def wait_until(condition, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -65,9 +97,7 @@ def server():
 
 
 def test_a_stale_nixl_write_does_not_land_in_the_next_requests_memory(slow_notice_server):
-    owner = connect(slow_notice_server, transport="tcp")
-    writer = connect(slow_notice_server, transport="nixl")
-    try:
+    with clients(slow_notice_server, "tcp", "nixl") as (owner, writer):
         old, new = rid(), rid()
         owner.allocate(old, LAYOUT, TOKENS)
         writer.write_blocks(old, 0, 0, 0, filled(1.0)).wait()  # caches old's block table
@@ -78,93 +108,59 @@ def test_a_stale_nixl_write_does_not_land_in_the_next_requests_memory(slow_notic
             writer.write_blocks(old, 0, 0, 0, filled(99.0)).wait()
         except UnknownRequest:
             pass  # its commit (or a fresh table) found old freed
-        back = torch.zeros(1, *LAYOUT.unit_shape, dtype=LAYOUT.dtype)
-        owner.read_blocks(new, 0, 0, 0, back).wait()
-        assert torch.equal(back, filled(7.0)), "a stale table overwrote another request's KV"
-    finally:
-        owner.close()
-        writer.close()
+        assert torch.equal(read_unit(owner, new), filled(7.0)), "a stale table overwrote another request's KV"
 
 
 def test_freed_memory_comes_back_once_the_nixl_client_holding_its_table_lets_go(server):
-    owner = connect(server, transport="tcp")
-    reader = connect(server, transport="nixl")
-    try:
-        request = rid()
-        owner.allocate(request, LAYOUT, TOKENS)
-        reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
+    with clients(server, "tcp", "nixl") as (owner, reader):
+        request = cached_by(owner, reader)
         owner.free(request)
         assert held(owner) == 1  # the reader has not seen the free notice yet
         assert owner.stats().used_bytes > 0
         assert wait_until(lambda: held(owner) == 0, 5.0), "the reader never released the freed request's table"
         assert owner.stats().used_bytes == 0
         with pytest.raises(UnknownRequest):
-            reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
-    finally:
-        owner.close()
-        reader.close()
+            read_unit(reader, request)
 
 
 def test_a_nixl_client_that_frees_its_own_request_gives_the_memory_back_at_once(server):
-    client = connect(server, transport="nixl")
-    try:
+    with clients(server, "nixl") as (client,):
         request = rid()
         client.allocate(request, LAYOUT, TOKENS)
         client.write_blocks(request, 0, 0, 0, filled(3.0)).wait()
         client.free(request)
         stats = client.stats()
         assert (stats.used_bytes, stats.extra["held_requests"]) == (0, 0)
-    finally:
-        client.close()
 
 
 def test_a_released_request_is_freed_by_another_client_without_waiting(server):
-    prefill = connect(server, transport="nixl")
-    decode = connect(server, transport="nixl")
-    try:
+    with clients(server, "nixl", "nixl") as (prefill, decode):
         request = rid()
         prefill.allocate(request, LAYOUT, TOKENS)
         prefill.write_blocks(request, 0, 0, 0, filled(5.0)).wait()
         prefill.release(request)
-        back = filled(0.0)
-        decode.read_blocks(request, 0, 0, 0, back).wait()
-        assert torch.equal(back, filled(5.0))
+        assert torch.equal(read_unit(decode, request), filled(5.0))
         time.sleep(0.2)  # the release travels on its own
         decode.free(request)
         assert (held(decode), decode.stats().used_bytes) == (0, 0)
-    finally:
-        prefill.close()
-        decode.close()
 
 
 def test_a_nixl_client_that_reconnects_holds_nothing(server):
-    owner = connect(server, transport="tcp")
-    reader = connect(server, transport="nixl")
-    try:
-        request = rid()
-        owner.allocate(request, LAYOUT, TOKENS)
-        reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
-        reader.transport._stop_reports.set()  # no releases: only the reconnect can end the hold
-        reader.transport._reporter.join()
+    with clients(server, "tcp", "nixl") as (owner, reader):
+        request = cached_by(owner, reader)
+        stop_reporting(reader)  # no releases: only the reconnect can end the hold
         reader.transport._executor.submit(reader.transport._drop).result()  # the connection is lost
         owner.free(request)
         assert held(owner) == 1
         reader.stats()  # reconnects: the hello drops every table the reader had
         assert held(owner) == 0
         with pytest.raises(UnknownRequest):
-            reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
-    finally:
-        owner.close()
-        reader.close()
+            read_unit(reader, request)
 
 
 def test_a_nixl_client_whose_connection_the_store_closed_forgets_its_tables_within_a_second(server):
-    owner = connect(server, transport="tcp")
-    reader = connect(server, transport="nixl")
-    try:
-        request = rid()
-        owner.allocate(request, LAYOUT, TOKENS)
-        reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
+    with clients(server, "tcp", "nixl") as (owner, reader):
+        request = cached_by(owner, reader)
         with server._conn_lock:
             (conn,) = [c for c in server._connections if c.nixl_peer == reader.transport.client_name]
         conn.sock.shutdown(socket.SHUT_RDWR)  # the store drops the client (a frame timeout, say)
@@ -174,10 +170,7 @@ def test_a_nixl_client_whose_connection_the_store_closed_forgets_its_tables_with
         owner.free(request)
         assert wait_until(lambda: held(owner) == 0, 8.0)
         with pytest.raises(UnknownRequest):
-            reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
-    finally:
-        owner.close()
-        reader.close()
+            read_unit(reader, request)
 
 
 def test_the_hold_of_a_nixl_client_that_died_ends_soon_after_its_connection_closed():
@@ -185,7 +178,6 @@ def test_the_hold_of_a_nixl_client_that_died_ends_soon_after_its_connection_clos
     60 s a connected but silent client gets."""
     srv = KVStoreServer(capacity_bytes=8 << 20, prefault=False, ttl_s=600)
     srv.start()
-    owner = connect(srv, transport="tcp")
     script = textwrap.dedent(f"""
         import sys, torch
         from oasiskv.kvstore import connect
@@ -196,40 +188,34 @@ def test_the_hold_of_a_nixl_client_that_died_ends_soon_after_its_connection_clos
         sys.stdin.read()
     """)
     try:
-        request = rid()
-        owner.allocate(request, LAYOUT, TOKENS)
-        reader = subprocess.Popen([sys.executable, "-c", script, request], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
-        assert reader.stdout.readline().strip() == "read"
-        reader.kill()
-        reader.wait()
-        owner.free(request)
-        assert held(owner) == 1
-        assert wait_until(lambda: held(owner) == 0, 12.0)
-        assert owner.stats().used_bytes == 0
+        with clients(srv, "tcp") as (owner,):
+            request = rid()
+            owner.allocate(request, LAYOUT, TOKENS)
+            reader = subprocess.Popen([sys.executable, "-c", script, request], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+            assert reader.stdout.readline().strip() == "read"
+            reader.kill()
+            reader.wait()
+            owner.free(request)
+            assert held(owner) == 1
+            assert wait_until(lambda: held(owner) == 0, 12.0)
+            assert owner.stats().used_bytes == 0
     finally:
-        owner.close()
         srv.stop()
 
 
 def test_the_hold_of_a_connected_client_that_never_releases_ends_after_the_hold_time():
     srv = KVStoreServer(capacity_bytes=8 << 20, prefault=False, ttl_s=2.0)  # holds last min(ttl, 60 s)
     srv.start()
-    owner = connect(srv, transport="tcp")
-    reader = connect(srv, transport="nixl")
     try:
-        request = rid()
-        owner.allocate(request, LAYOUT, TOKENS)
-        reader.read_blocks(request, 0, 0, 0, filled(0.0)).wait()
-        reader.transport._stop_reports.set()  # stuck: it never takes the free notice
-        reader.transport._reporter.join()
-        owner.free(request)
-        assert held(owner) == 1
-        assert wait_until(lambda: held(owner) == 0, 6.0)
-        assert 'oasiskv_kvstore_requests_events_total{event="hold_expired"} 1.0' in owner.metrics_text()
+        with clients(srv, "tcp", "nixl") as (owner, reader):
+            request = cached_by(owner, reader)
+            stop_reporting(reader)  # stuck: it never takes the free notice
+            owner.free(request)
+            assert held(owner) == 1
+            assert wait_until(lambda: held(owner) == 0, 6.0)
+            assert 'oasiskv_kvstore_requests_events_total{event="hold_expired"} 1.0' in owner.metrics_text()
     finally:
-        owner.close()
-        reader.close()
         srv.stop()
 
 
@@ -237,58 +223,49 @@ def test_the_hold_of_a_connected_client_that_never_releases_ends_after_the_hold_
 
 
 def test_a_transfer_racing_its_own_clients_free_cannot_cache_a_table_the_store_let_go(slow_notice_server):
-    owner = connect(slow_notice_server, transport="tcp")
-    client = connect(slow_notice_server, transport="nixl")
-    transport = client.transport
-    submit = transport._submit
+    with clients(slow_notice_server, "tcp", "nixl") as (owner, client):
+        transport = client.transport
+        submit = transport._submit
 
-    def slow_submit(header, *args):
-        if header.get("op") == "free":
-            time.sleep(0.2)  # between the free's look at the transfers in flight and its sending
-        return submit(header, *args)
+        def slow_submit(header, *args):
+            if header.get("op") == "free":
+                time.sleep(0.2)  # between the free's look at the transfers in flight and its sending
+            return submit(header, *args)
 
-    try:
-        old, new = rid(), rid()
-        client.allocate(old, LAYOUT, TOKENS)
-        client.write_blocks(old, 0, 0, 0, filled(1.0)).wait()
-        transport._submit = slow_submit
-        freeing = threading.Thread(target=client.free, args=(old,))
-        freeing.start()
-        time.sleep(0.05)
-        with contextlib.suppress(UnknownRequest):  # it looks the table up after the free: gone
-            client.write_blocks(old, 0, 0, 0, filled(2.0)).wait()
-        freeing.join()
-        transport._submit = submit
+        try:
+            old, new = rid(), rid()
+            client.allocate(old, LAYOUT, TOKENS)
+            client.write_blocks(old, 0, 0, 0, filled(1.0)).wait()
+            transport._submit = slow_submit
+            freeing = threading.Thread(target=client.free, args=(old,))
+            freeing.start()
+            time.sleep(0.05)
+            with contextlib.suppress(UnknownRequest):  # it looks the table up after the free: gone
+                client.write_blocks(old, 0, 0, 0, filled(2.0)).wait()
+            freeing.join()
+        finally:
+            transport._submit = submit
         assert old not in transport._tables or held(owner) == 1  # never a cached table the store let go
         owner.allocate(new, LAYOUT, TOKENS)
         owner.write_blocks(new, 0, 0, 0, filled(7.0)).wait()
         with contextlib.suppress(UnknownRequest):
             client.write_blocks(old, 0, 0, 0, filled(99.0)).wait()
-        back = filled(0.0)
-        owner.read_blocks(new, 0, 0, 0, back).wait()
-        assert torch.equal(back, filled(7.0))
-    finally:
-        transport._submit = submit
-        owner.close()
-        client.close()
+        assert torch.equal(read_unit(owner, new), filled(7.0))
 
 
 def test_a_reconnect_keeps_the_holds_of_transfers_still_running(server):
-    owner = connect(server, transport="tcp")
-    client = connect(server, transport="nixl")
-    transport = client.transport
-    post = transport.initiator.post
+    with clients(server, "tcp", "nixl") as (owner, client):
+        transport = client.transport
+        post = transport.initiator.post
 
-    def slow_post(*args, **kwargs):
-        if threading.current_thread().name == "slow-writer":
-            time.sleep(0.5)  # the thread is descheduled between its table lookup and the post
-        return post(*args, **kwargs)
+        def slow_post(*args, **kwargs):
+            if threading.current_thread().name == "slow-writer":
+                time.sleep(0.5)  # the thread is descheduled between its table lookup and the post
+            return post(*args, **kwargs)
 
-    try:
         old, new = rid(), rid()
         owner.allocate(old, LAYOUT, TOKENS)
         client.write_blocks(old, 0, 0, 0, filled(1.0)).wait()
-        transport.initiator.post = slow_post
         outcome = {}
 
         def write() -> None:
@@ -298,33 +275,29 @@ def test_a_reconnect_keeps_the_holds_of_transfers_still_running(server):
             except UnknownRequest:
                 outcome["write"] = "refused"
 
-        writer = threading.Thread(target=write, name="slow-writer")
-        writer.start()
-        time.sleep(0.1)
-        owner.free(old)
-        transport._executor.submit(transport._drop).result()  # its connection drops
-        client.stats()  # and comes back: hello
-        assert held(owner) == 1  # the write still running keeps the hold
-        owner.allocate(new, LAYOUT, TOKENS)
-        owner.write_blocks(new, 0, 0, 0, filled(7.0)).wait()
-        writer.join()
+        transport.initiator.post = slow_post
+        try:
+            writer = threading.Thread(target=write, name="slow-writer")
+            writer.start()
+            time.sleep(0.1)
+            owner.free(old)
+            transport._executor.submit(transport._drop).result()  # its connection drops
+            client.stats()  # and comes back: hello
+            assert held(owner) == 1  # the write still running keeps the hold
+            owner.allocate(new, LAYOUT, TOKENS)
+            owner.write_blocks(new, 0, 0, 0, filled(7.0)).wait()
+            writer.join()
+        finally:
+            transport.initiator.post = post
         assert outcome["write"] == "refused"  # its table was from before the reconnect: looked up again
-        back = filled(0.0)
-        owner.read_blocks(new, 0, 0, 0, back).wait()
-        assert torch.equal(back, filled(7.0))
+        assert torch.equal(read_unit(owner, new), filled(7.0))
         assert wait_until(lambda: held(owner) == 0, 5.0)  # released once the write ended
-    finally:
-        transport.initiator.post = post
-        owner.close()
-        client.close()
 
 
 def test_a_write_through_the_table_of_an_id_freed_and_allocated_again_is_refused(slow_notice_server):
     """The same id, allocated again by another client: the free notice has not arrived, and the
     stale write lands in the old (held) allocation. It used to be reported as written."""
-    other = connect(slow_notice_server, transport="tcp")
-    client = connect(slow_notice_server, transport="nixl")
-    try:
+    with clients(slow_notice_server, "tcp", "nixl") as (other, client):
         request = rid()
         other.allocate(request, LAYOUT, TOKENS)
         client.write_blocks(request, 0, 0, 0, filled(1.0)).wait()  # caches this allocation's table
@@ -333,9 +306,4 @@ def test_a_write_through_the_table_of_an_id_freed_and_allocated_again_is_refused
         other.write_blocks(request, 0, 0, 0, filled(2.0)).wait()
         with pytest.raises(UnknownRequest, match="freed and allocated again"):
             client.write_blocks(request, 0, 0, 1, filled(3.0)).wait()
-        back = filled(0.0)
-        other.read_blocks(request, 0, 0, 0, back).wait()
-        assert torch.equal(back, filled(2.0))
-    finally:
-        other.close()
-        client.close()
+        assert torch.equal(read_unit(other, request), filled(2.0))
