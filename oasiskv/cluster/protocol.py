@@ -118,11 +118,10 @@ class CompletionRequest(_SamplingFields):
     _prompt_text = field_validator("prompt")(_encodable)
 
     def logprobs_requested(self) -> int | None:
-        """How many alternatives each token's logprobs list; None: no logprobs."""
+        """How many alternatives each token's logprobs list; None: no logprobs (SamplingParams
+        checks the range)."""
         if self.logprobs is None or self.logprobs is False:
             return None
-        if not 0 <= int(self.logprobs) <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         return int(self.logprobs)
 
     def check_supported(self) -> None:

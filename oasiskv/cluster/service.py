@@ -298,7 +298,7 @@ class ClusterService:
                     delta, repeated = delta[cut:], repeated - cut
                 if out["finished"]:  # before the yield: the consumer may close us after it
                     status = "abort" if out["finish_reason"] == "abort" else "success"
-                new_logprobs = logprobs[sent_tokens:token_count] if params.logprobs is not None else []
+                new_logprobs = logprobs[sent_tokens:token_count]  # empty unless the request asked for them
                 if delta or new_logprobs or out["finished"]:
                     yield Event(delta, token_count, out["finished"], out["finish_reason"], new_logprobs)
                 if out["finished"]:

@@ -30,7 +30,7 @@ from .layout import KVLayout
 from .nixl_agents import NixlInitiator, StaleConnection, nixl_available, nixl_errors
 from .protocol import index_payload
 from .store import RequestInfo
-from .tcp import TcpTransport, _read_all
+from .tcp import TcpTransport, _read_all, described
 from .transport import CompletedHandle, TransferHandle
 
 log = logging.getLogger(__name__)
@@ -261,8 +261,7 @@ class NixlTransport(TcpTransport):
         """The request's info and table, held for this client, and the connection generation
         they belong to (read on the thread that made the connection, so it is the one that answered)."""
         def land(reply: dict[str, Any], payload) -> tuple[RequestInfo, np.ndarray, int]:
-            table = np.frombuffer(payload.read_bytes(payload.remaining), dtype="<i8").astype(np.int64)
-            return RequestInfo.from_wire(reply["info"]), table, self.initiator.generation
+            return (*described(*_read_all(reply, payload)), self.initiator.generation)
 
         return self._call({"op": "describe", "rid": request_id, "hold": True}, land=land)
 

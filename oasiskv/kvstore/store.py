@@ -248,10 +248,6 @@ class KVStore:
         with self._lock:
             self._gone[holder] = self.clock() + min(DISCONNECTED_HOLD_S, self.hold_s)
 
-    def held_requests(self) -> int:
-        with self._lock:
-            return len(self._held)
-
     def touch(self, request_ids: list[str]) -> list[str]:
         """Refresh the TTL of live requests; returns the ids that are not live."""
         now = self.clock()

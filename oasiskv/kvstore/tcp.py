@@ -51,6 +51,11 @@ def _read_all(reply: dict[str, Any], payload: Payload) -> tuple[dict[str, Any], 
     return reply, bytes(payload.read_bytes(payload.remaining))
 
 
+def described(reply: dict[str, Any], data: bytes) -> tuple[RequestInfo, np.ndarray]:
+    """A describe reply: the request's info and its block table."""
+    return RequestInfo.from_wire(reply["info"]), np.frombuffer(data, dtype="<i8").astype(np.int64)
+
+
 class TcpTransport(Transport):
     name = "tcp"
 
@@ -83,8 +88,7 @@ class TcpTransport(Transport):
         return self.describe_table(request_id)[0]
 
     def describe_table(self, request_id: str) -> tuple[RequestInfo, np.ndarray]:
-        reply, data = self._call({"op": "describe", "rid": request_id})
-        return RequestInfo.from_wire(reply["info"]), np.frombuffer(data, dtype="<i8").astype(np.int64)
+        return described(*self._call({"op": "describe", "rid": request_id}))
 
     def free(self, request_id: str) -> None:
         self._call({"op": "free", "rid": request_id})
