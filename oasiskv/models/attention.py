@@ -256,7 +256,7 @@ def _attend_few_rows(queries, keys, values, mask, scale, buffers=None):
     stacked = stacked.contiguous() if out_mask is None else out_mask.copy_(stacked)
     out = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
                                          attn_mask=stacked.view(num_seqs, kv_heads, group * rows, length), scale=scale)
-    return out.view(num_seqs, heads, rows, head_dim)
+    return out.reshape(num_seqs, heads, rows, head_dim)
 
 
 class PagedAttention:
