@@ -74,8 +74,10 @@ class DecodeConfig(BaseModel):
         "landed, so the model never blocks on a prefetch); counted either way (prefetch_waits / prefetch_skips)",
     )
     attention_kernel: Literal["auto", "torch", "triton"] = Field(
-        "auto", description="sparse attention: 'triton' reads K/V from the pool by unit id (CUDA, or TRITON_INTERPRET=1); "
-        "'torch' gathers them first; 'auto' = triton on CUDA when it is installed, else torch",
+        "auto", description="attention over the resident KV: 'triton' reads K/V from the pool by unit id (CUDA, or "
+        "TRITON_INTERPRET=1); 'torch' gathers them first; 'auto' = torch, the faster one in the only GPU measurement "
+        "so far (H200, bench/results/attention_kernel_cuda.json: the kernel before its split-K rewrite took 3x the "
+        "gather path's time)",
     )
     max_num_seqs: int = Field(32, ge=1)
     block_size: int = Field(16, ge=1)
@@ -115,8 +117,4 @@ class DecodeConfig(BaseModel):
 
     @property
     def uses_triton_attention(self) -> bool:
-        if self.attention_kernel == "auto":
-            from .triton_attention import triton_available
-
-            return self.device.startswith("cuda") and triton_available(self.device)
         return self.attention_kernel == "triton"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import subprocess
 import sys
 
@@ -133,7 +134,7 @@ def test_a_cuda_prefill_worker_stores_what_a_cpu_one_does():
         prompt = list(range(100, 400))
         results = {}
         for device in ("cpu", "cuda"):
-            worker = PrefillWorker("smollm2-135m", transport="tcp", device=device)
+            worker = PrefillWorker(os.environ.get("OASISKV_CUDA_TEST_MODEL", "smollm2-135m"), transport="tcp", device=device)
             assert next(worker.model.parameters()).device.type == device
             results[device] = worker.prefill(device, prompt, {"max_tokens": 4}, address, 8, 1, 4)
         assert results["cuda"].first_token == results["cpu"].first_token

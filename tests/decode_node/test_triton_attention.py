@@ -138,6 +138,12 @@ def comparisons():
     for query_dtype, tolerance in ((torch.float32, 2e-3), (torch.bfloat16, 1.5e-2)):
         inputs = make_inputs(BF16_CASE, pool_dtype=torch.bfloat16, query_dtype=query_dtype)
         found[f"bf16-pool-{str(query_dtype).removeprefix('torch.')}-queries"] = (inputs, tolerance)
+    # Units split across programs (what a GPU does by default): one unit a split, a split that
+    # ends mid-tile, and a blind row whose splits all see nothing.
+    for case, per_split in ((CASES[2], 1), (CASES[1], 3), (CASES[4], 2), (CASES[5], 1)):
+        queries, pool, unit_ids, key_positions, query_positions, window, scale = make_inputs(case)
+        found[f"{case_id(case)}-split{per_split}"] = (
+            (queries, pool, unit_ids, key_positions, query_positions, window, scale, per_split), 1e-4)
     queries, pool, _, _, query_positions, _, scale = make_inputs(CASES[0])
     no_units = torch.zeros(1, 1, 0, dtype=torch.long)
     found["no-units"] = ((queries, pool, no_units, no_units, query_positions, None, scale), 1e-4)
@@ -151,7 +157,7 @@ def compare_all(device: str = "cpu") -> dict[str, str]:
         inputs = to(inputs, device)
         try:
             got = sparse_paged_attention(*inputs)
-            want = torch_reference(*inputs)
+            want = torch_reference(*inputs[:7])
             assert got.dtype == torch.float32, got.dtype
             torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
             results[name] = "ok"
@@ -213,6 +219,8 @@ BAD_INPUTS = {
     "queries missing a dimension": _bad(lambda a: a.__setitem__(0, a[0][:, :, 0])),
     "window not an int": _bad(lambda a: a.__setitem__(5, 4.0)),
     "different devices": _bad(lambda a: a.__setitem__(2, a[2].to("meta"))),
+    "units_per_split zero": _bad(lambda a: a.append(0)),
+    "units_per_split not an int": _bad(lambda a: a.append(2.0)),
 }
 
 
@@ -220,6 +228,21 @@ BAD_INPUTS = {
 def test_bad_inputs_raise_value_error(name):
     with pytest.raises(ValueError):
         sparse_paged_attention(*BAD_INPUTS[name]())
+
+
+def test_units_are_split_so_every_sm_has_programs(monkeypatch):
+    from oasiskv.decode_node import triton_attention
+
+    monkeypatch.setattr(triton_attention, "_multiprocessors", lambda device: 132)  # an H100 / H200
+    cuda = torch.device("cuda")
+    # 4 sequences x 2 KV heads at 32K (2,032 units, 4 a tile): 66 splits of 8 tiles, 528 programs.
+    assert triton_attention._units_per_split(2032, 8, 4, cuda) == 32
+    # A 2,048-token working set of one sequence: one tile a program, every tile its own split.
+    assert triton_attention._units_per_split(134, 2, 4, cuda) == 4
+    # Many pairs already fill the GPU: a pair keeps all its units.
+    assert triton_attention._units_per_split(134, 1024, 4, cuda) == 136
+    # The interpreter runs programs one by one: no splitting.
+    assert triton_attention._units_per_split(2032, 8, 4, torch.device("cpu")) == 2032
 
 
 def test_triton_available(monkeypatch):
@@ -260,12 +283,12 @@ def test_compiles_for_a_gpu_target():
     if os.environ.get("TRITON_INTERPRET", "0") != "0":
         pytest.skip("TRITON_INTERPRET is set: this process's Triton interprets and cannot compile")
     kernel = triton_attention._kernel()
-    constexprs = dict(GROUP=7, HAS_WINDOW=True, BLOCK_ROWS=32, BLOCK_KEYS=16, BLOCK_DIM=64)
+    constexprs = dict(GROUP=7, HAS_WINDOW=True, BLOCK_ROWS=32, BLOCK_KEYS=16, UNITS_PER_TILE=4, BLOCK_DIM=64)
     signature = {}
     for name in kernel.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in ("queries_ptr", "out_ptr"):
+        elif name in ("queries_ptr", "max_ptr", "sum_ptr", "acc_ptr"):
             signature[name] = "*fp32"
         elif name == "pool_ptr":
             signature[name] = "*bf16"

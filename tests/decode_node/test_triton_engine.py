@@ -36,8 +36,8 @@ from oasiskv.models.sampling import SamplingParams
 from oasiskv.prefill_node.prefill import Prefiller
 from tests.conftest import stdlib_source
 
-device = sys.argv[1]
-llm = LLM(str(resolve_model("smollm2-135m")), dtype="float32", kv_cache_gb=0.05, device=device)
+device, model = sys.argv[1], sys.argv[2]
+llm = LLM(str(resolve_model(model)), dtype="float32", kv_cache_gb=0.05, device=device)
 prompt = llm.encode(stdlib_source("argparse.py"))[:600]
 store = KVStore(128 * 2**20)
 params = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -57,9 +57,9 @@ print(json.dumps(tokens))
 """
 
 
-def _decode_both(device: str, interpret: bool) -> dict:
+def _decode_both(device: str, interpret: bool, model: str = "smollm2-135m") -> dict:
     env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
-    result = subprocess.run([sys.executable, "-c", CHILD, device], cwd=REPO_ROOT, env=env,
+    result = subprocess.run([sys.executable, "-c", CHILD, device, model], cwd=REPO_ROOT, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -77,7 +77,8 @@ def test_triton_kernel_decodes_the_same_tokens_as_the_torch_path():
 def test_triton_kernel_decodes_the_same_tokens_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    tokens = _decode_both("cuda", interpret=False)
+    # A GPU host that has only another registry model pulled names it here (scripts/device-check.sh).
+    tokens = _decode_both("cuda", interpret=False, model=os.environ.get("OASISKV_CUDA_TEST_MODEL", "smollm2-135m"))
     assert tokens["triton"] == tokens["torch"]
 
 
@@ -85,4 +86,5 @@ def test_triton_kernel_on_a_cpu_without_the_interpreter_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="attention_kernel='triton'"):
         DecodeConfig(attention_kernel="triton", device="cpu")
-    assert not DecodeConfig(device="cpu").uses_triton_attention  # 'auto' stays on torch on CPUs
+    assert not DecodeConfig(device="cpu").uses_triton_attention  # 'auto' is the torch path
+    assert not DecodeConfig(device="cuda").uses_triton_attention
