@@ -91,14 +91,14 @@ MODES = ("dense", "sparse-current", "lookahead")
 GOAL_SPEEDUP = 2.0
 GOAL_LESS_KV = 6.0
 # DecodeConfig fields a run may override from the command line.
-OVERRIDES = ("max_replace_fraction", "lookahead_topup_blocks", "lookahead_layer_group")
+OVERRIDES = ("max_replace_fraction", "lookahead_topup_blocks", "lookahead_layer_group", "attention_kernel")
 
 
 # -- the store process ---------------------------------------------------------------------------
 class StoreProcess:
-    def __init__(self, capacity_gb: float):
+    def __init__(self, capacity_gb: float, transport: str):
         cmd = [sys.executable, "-m", "oasiskv.kvstore", "--port", "0", "--capacity-gb", f"{capacity_gb:.3f}",
-               "--transport", "nixl"]
+               "--transport", transport]
         self.stderr = open(os.devnull, "w")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr, text=True, cwd=str(ROOT.parent),
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -422,9 +422,13 @@ def main(argv=None) -> int:
                         help="lookahead's on-demand top-up per layer and KV head (default: DecodeConfig's, 0)")
     parser.add_argument("--lookahead-layer-group", type=int, default=None,
                         help="layers whose look-ahead selection runs together (default: DecodeConfig's)")
+    parser.add_argument("--attention-kernel", default=None, choices=["auto", "torch", "triton"],
+                        help="how every mode attends over its resident KV (default: DecodeConfig's)")
     parser.add_argument("--timing", default="parts", choices=["parts", "wall"],
                         help="parts: a time breakdown, the GPU synchronized at every part's edges (several times a "
                              "layer); wall: only the whole run timed, the GPU synchronized at its two edges")
+    parser.add_argument("--transport", default="nixl", choices=["nixl", "tcp"],
+                        help="how the decode engine reaches the store (tcp: where UCX cannot start)")
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))
@@ -470,7 +474,7 @@ def main(argv=None) -> int:
     prompts = PromptSet(ctx, layout, args.sink_blocks, args.window_blocks)
     per_token = layout.num_layers * layout.num_kv_heads * layout.unit_bytes / BLOCK
     store_gb = 1.15 * args.requests * (max(contexts) + args.new_tokens + 4 * BLOCK) * per_token / 2**30 + 0.05
-    store = StoreProcess(store_gb)
+    store = StoreProcess(store_gb, args.transport)
     machine = platform.processor() or platform.machine()
     gpu = torch.device(args.device).type == "cuda"
     results = {
@@ -479,12 +483,12 @@ def main(argv=None) -> int:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "machine": machine,
         "requests": args.requests, "prompt_step": args.prompt_step, "new_tokens": args.new_tokens,
         "budget_tokens": args.budget_tokens, "timing": args.timing,
-        "num_draft_tokens": k, "drafter": args.drafter, "dense_fit": args.dense_fit, "repeats": args.repeats, "transport": "nixl",
+        "num_draft_tokens": k, "drafter": args.drafter, "dense_fit": args.dense_fit, "repeats": args.repeats, "transport": args.transport,
         "store": store.ready_line, "store_capacity_gb": store_gb, "prefill_one_pass_s": prefill_s,
         "goal": {"speedup": GOAL_SPEEDUP, "less_kv": GOAL_LESS_KV}, "contexts": [],
     }
     try:
-        client = connect(store.address, transport="nixl")
+        client = connect(store.address, transport=args.transport)
         client.register(prompts.packed)
         total = len(contexts) * len(modes) * args.repeats
         with tqdm(total=total, desc="mode runs") as bar:
@@ -524,7 +528,7 @@ def summarize_context(context: int, lengths: list[int], pool_gb: float, runs: di
         for mode, row in modes.items():
             row["speedup_vs_dense"] = row["tokens_per_s"] / dense["tokens_per_s"]
             row["less_kv_vs_dense"] = dense["kv_bytes_per_request"] / row["kv_bytes_per_request"] if row["kv_bytes_per_request"] else None
-            row["less_memory_vs_dense"] = dense["peak_kv_bytes"] / row["peak_kv_bytes"]
+            row["less_memory_vs_dense"] = dense["peak_kv_bytes"] / row["peak_kv_bytes"] if row["peak_kv_bytes"] else None
             # Greedy outputs of the same prompts: how many requests match dense token for token.
             row["outputs_identical_to_dense"] = sum(row["outputs"][i] == dense["outputs"][i] for i in row["outputs"])
     return {"context": context, "prompt_lengths": lengths, "kv_pool_gb": pool_gb, "modes": modes}

@@ -11,10 +11,10 @@
 #      the wall only (--timing wall, the tokens/s to quote) and once more with a time breakdown (the
 #      GPU check of the decode node), where the package's dependencies (pydantic, nixl) import and
 #      the model is already pulled (`oasiskv pull qwen2.5-coder-1.5b`); otherwise it says which is
-#      missing and is not counted as a failure. The machine lent to development sessions has
-#      neither: it reaches no model hub, takes at most 64 MiB of files a call against the 1.5B's
-#      3 GB of weights, and its image lacks pydantic and nixl. A GPU host with `bash
-#      scripts/install.sh` run on it has both.
+#      missing and is not counted as a failure. A GPU host with `bash scripts/install.sh` run on
+#      it has both. The machine lent to development sessions has neither (no network, 64 MiB of
+#      files a call against the 1.5B's 1.1 GB GGUF, no pydantic or nixl): scripts/lent_gpu/ gets
+#      them there in pieces and runs these same checks.
 # The engine-level CUDA test (tests/decode_node/test_triton_engine.py) needs the whole install
 # and a model, and the block-ranking `cuda` test needs the package's dependencies; run them with
 # `pytest -m cuda tests/decode_node` where both are there.
