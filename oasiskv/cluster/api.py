@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..models.sampling import SamplingParams, TokenLogprob, require_known_stop_tokens
+from ..models.sampling import SamplingParams, TokenLogprob, require_known_bias_tokens, require_known_stop_tokens
 from .logprobs import LogprobFormatter
 from .protocol import (
     ChatCompletionRequest,
@@ -187,8 +187,9 @@ def _error(exc: ApiError) -> JSONResponse:
 def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if max_tokens is None:
-        max_tokens = max(1, min(DEFAULT_MAX_TOKENS if isinstance(body, CompletionRequest) else 512,
-                                max_model_len - prompt_tokens))
+        # A default below min_tokens would refuse a request that never named a max_tokens.
+        default = max(DEFAULT_MAX_TOKENS if isinstance(body, CompletionRequest) else 512, body.min_tokens)
+        max_tokens = max(1, min(default, max_model_len - prompt_tokens))
     if prompt_tokens == 0:
         raise ApiError(400, "the prompt is empty", "invalid_request_error", "prompt")
     if prompt_tokens + max_tokens > max_model_len:
@@ -202,7 +203,8 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
                               skip_special_tokens=body.skip_special_tokens,
                               include_stop_str_in_output=body.include_stop_str_in_output,
                               logprobs=body.logprobs_requested(), presence_penalty=body.presence_penalty,
-                              frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty)
+                              frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
+                              min_p=body.min_p, min_tokens=body.min_tokens, logit_bias=body.logit_bias)
     except (ValueError, ValidationError) as exc:
         raise ApiError(400, str(exc), "invalid_request_error") from exc
 
@@ -213,6 +215,10 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
         require_known_stop_tokens(params, service.tokenizer.vocab_size)
     except ValueError as exc:
         raise ApiError(422, str(exc), "invalid_request_error", "stop_token_ids") from exc
+    try:
+        require_known_bias_tokens(params, service.tokenizer.vocab_size)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "invalid_request_error", "logit_bias") from exc
     block = service.config.decode.block_size
     if body.oasiskv_budget_tokens is not None and body.oasiskv_budget_tokens % block:
         raise ApiError(422, f"oasiskv_budget_tokens must be a multiple of the block size ({block}), got "

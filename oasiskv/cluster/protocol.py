@@ -27,7 +27,7 @@ def _encodable(value):
     return value
 
 
-_UNSUPPORTED_VLLM_FIELDS = ("min_tokens", "min_p", "use_beam_search", "length_penalty",
+_UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty",
                             "bad_words", "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
                             "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -57,15 +57,16 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = Field(None, description="extension (as vLLM's): token ids that end the output")
     stream_options: dict | None = None
+    # {token id: bias}; its ids and ranges are checked by SamplingParams and the vocabulary (400s).
     logit_bias: dict | None = None
-    # vLLM's extensions, as vLLM does them.
+    # vLLM's extensions, as vLLM does them (ranges checked by SamplingParams, as vLLM's are: 400).
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     repetition_penalty: float | None = 1.0
+    min_tokens: int | None = 0
+    min_p: float | None = 0.0
     # vLLM's extensions that are not implemented: refused unless left at these values, since a
     # request that sets one expects it to take effect (they were ignored, and the output differed).
-    min_tokens: int = 0
-    min_p: float = 0.0
     use_beam_search: bool = False
     length_penalty: float = 1.0
     bad_words: list[str] | None = None
@@ -80,7 +81,8 @@ class _SamplingFields(BaseModel):
     oasiskv_mode: Mode | None = None
     oasiskv_budget_tokens: int | None = Field(None, ge=16)
 
-    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", mode="after")
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p",
+                     mode="after")
     @classmethod
     def _null_is_default(cls, value, info):
         return cls.model_fields[info.field_name].default if value is None else value
@@ -90,8 +92,6 @@ class _SamplingFields(BaseModel):
             raise UnsupportedFeature(f"n must be 1 (got {self.n}); for several completions send several requests")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFeature("stream_options is only allowed with stream: true")
-        if self.logit_bias:
-            raise UnsupportedFeature("logit_bias is not supported")
         for name in _UNSUPPORTED_VLLM_FIELDS:
             if getattr(self, name) not in (type(self).model_fields[name].default, []):
                 raise UnsupportedFeature(f"{name} is not supported")

@@ -29,9 +29,9 @@ from ..models.engine.stopping import OutputText, finish_reason, visible_text
 from ..models.sampling import (
     SamplingParams,
     TokenLogprob,
-    apply_penalties,
     make_generator,
-    require_known_stop_tokens,
+    process_logits,
+    require_known_tokens,
     token_logprobs,
 )
 from ..models.transformer import DecoderModel
@@ -187,7 +187,7 @@ class DecodeEngine:
             # Both would free the same store request when they finish, and the other would fail mid-step.
             raise ValueError(f"request {prefill.request_id!r} is already in this engine")
         self._check_layout(prefill)
-        require_known_stop_tokens(params, self.model.config.vocab_size)
+        require_known_tokens(params, self.model.config.vocab_size)
         context = self.model.config.max_position_embeddings
         if len(prefill.prompt_ids) + params.max_tokens > context:
             raise RequestTooLarge(
@@ -395,8 +395,9 @@ class DecodeEngine:
                 outputs.append(self._fail(req, "a block read from its store failed", req.ws.failure))
                 continue
             chosen_from = logits[start : start + rows]
-            if req.params.penalized:
-                chosen_from = apply_penalties(chosen_from, req.params, req.prompt_ids, req.output_ids, draft.tokens)
+            if req.params.processed:
+                chosen_from = process_logits(chosen_from, req.params, req.prompt_ids, req.output_ids, draft.tokens,
+                                             self.eos_token_ids)
             emitted = verify(chosen_from, draft, req.params, req.generator)
             # Emitted token i was chosen from row i (the last one the correction or bonus).
             logprobs = (None if req.params.logprobs is None

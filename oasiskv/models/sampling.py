@@ -1,4 +1,5 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, per-request seeds)."""
+"""Sampling parameters and the sampler (greedy, temperature, min-p, top-k, top-p, per-request
+seeds), and the logits processing before it (min_tokens, logit_bias, penalties)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,17 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 # Most alternatives a token's logprobs may list (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
 
+# OpenAI's limits on logit_bias: a bias in [-100, 100] (-100 bans a token, +100 all but forces
+# it) on at most 300 tokens.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
+
 
 @dataclass(frozen=True)
 class TokenLogprob:
     """A generated token's log-probability under the model, and the most likely alternatives
-    (best first). As vLLM's default: from the raw logits, before temperature, top-k and top-p."""
+    (best first). As vLLM's default: from the raw logits, before min_tokens, logit_bias, the
+    penalties, temperature, min-p, top-k and top-p."""
 
     token_id: int
     logprob: float
@@ -51,6 +58,13 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # vLLM's min_p: after temperature, tokens less likely than min_p times the most likely one are
+    # dropped (0: off). vLLM's min_tokens: EOS and the stop tokens cannot be generated, and no stop
+    # string can end the output, before this many tokens. OpenAI's logit_bias: {token id: bias}
+    # added to the logits (greedy decoding too).
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.stop is None:  # vLLM's default
@@ -66,7 +80,7 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
         optional = tuple(name for name in ("seed", "logprobs") if getattr(self, name) is not None)
-        for name in ("max_tokens", "top_k") + optional:
+        for name in ("max_tokens", "top_k", "min_tokens") + optional:
             if not _is_int(getattr(self, name)):  # a float failed inside torch, not naming the field
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.max_tokens < 1:
@@ -88,6 +102,13 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be a signed 64-bit integer, in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
+        if not 0.0 <= self.min_p <= 1.0:  # NaN too
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        self.logit_bias = _checked_logit_bias(self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -97,6 +118,11 @@ class SamplingParams:
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
+    @property
+    def processed(self) -> bool:
+        """Whether the logits are changed before sampling (`process_logits`)."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+
 
 def require_known_stop_tokens(params: SamplingParams, vocab_size: int) -> None:
     """A stop token the model cannot emit would never stop anything: refused, as the API does."""
@@ -105,21 +131,96 @@ def require_known_stop_tokens(params: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[:5]}")
 
 
+def require_known_bias_tokens(params: SamplingParams, vocab_size: int) -> None:
+    """A bias on an id outside the vocabulary would index another token's logit (a negative one)
+    or fail the step (one past the end): refused, naming the id."""
+    bad = [t for t in params.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"logit_bias token id {bad[0]} is not in the model's vocabulary [0, {vocab_size})")
+
+
+def require_known_tokens(params: SamplingParams, vocab_size: int) -> None:
+    """Every token id the request names (stop_token_ids, logit_bias) is one the model has."""
+    require_known_stop_tokens(params, vocab_size)
+    require_known_bias_tokens(params, vocab_size)
+
+
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def _checked_logit_bias(bias) -> dict[int, float]:
+    """logit_bias as {token id: float}: JSON gives its keys as strings ("50256"), Python callers
+    ints; anything else, or a bias out of OpenAI's range, is refused naming the entry."""
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a map from token ids to biases, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
+    checked: dict[int, float] = {}
+    for key, value in bias.items():
+        token = _token_id(key)
+        if token is None:
+            raise ValueError(f"logit_bias keys must be integer token ids, got {key!r}")
+        if token in checked:
+            raise ValueError(f"logit_bias names token id {token} twice")
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) \
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN too
+            raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                             f"got {value!r} for token id {token}")
+        checked[token] = float(value)
+    return checked
+
+
+def _token_id(key) -> int | None:
+    if _is_int(key):
+        return int(key)
+    if isinstance(key, str) and key.strip().lstrip("+-").isdecimal():
+        return int(key)
+    return None
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
+                   drafts: list[int] = (), eos_token_ids=()) -> torch.Tensor:
+    """The logits the request samples from, rows [1 + len(drafts), V]: row i is output position
+    len(output_ids) + i and follows the output and drafts[:i] (a speculative step verifies several
+    positions at once). In vLLM's order: min_tokens, logit_bias, then the penalties. A new fp32
+    tensor; the raw logits stay for the logprobs, which are vLLM's raw ones."""
+    logits = logits.float().clone()
+    _ban_stops_before_min_tokens(logits, params, len(output_ids), eos_token_ids)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
+        logits[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=logits.device)
+    if params.penalized:
+        logits = apply_penalties(logits, params, prompt_ids, output_ids, drafts)
+    return logits
+
+
+def _ban_stops_before_min_tokens(logits: torch.Tensor, params: SamplingParams, num_output: int, eos_token_ids) -> None:
+    """Rows whose position comes before min_tokens cannot end the request: EOS (unless ignored,
+    when it ends nothing) and the stop tokens get -inf there. In place."""
+    short = min(logits.shape[0], params.min_tokens - num_output)
+    if short <= 0:
+        return
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if stops:
+        logits[:short, torch.tensor(sorted(stops), dtype=torch.long, device=logits.device)] = float("-inf")
+
+
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
                     drafts: list[int] = ()) -> torch.Tensor:
-    """The logits the request samples from, rows [1 + len(drafts), V]: row i follows the output
-    and drafts[:i] (a speculative step verifies several positions at once). A new tensor."""
+    """The penalized logits, rows [1 + len(drafts), V]: row i follows the output and drafts[:i]
+    (a speculative step verifies several positions at once). A new tensor."""
     logits = logits.float().clone()
     vocab = logits.shape[-1]
     rows = logits.shape[0]
-    generated = torch.tensor(list(output_ids) + list(drafts[: rows - 1]), dtype=torch.long)
+    # Built on the logits' device: CPU counts against CUDA logits would fail the step on a GPU.
+    device = logits.device
+    generated = torch.tensor(list(output_ids) + list(drafts[: rows - 1]), dtype=torch.long, device=device)
     base = len(output_ids)
     # counts[i]: how often each token occurs in the output before row i's position.
-    counts = torch.zeros((rows, vocab), dtype=torch.float32)
+    counts = torch.zeros((rows, vocab), dtype=torch.float32, device=device)
     if base:
         counts[:] = torch.bincount(generated[:base], minlength=vocab)[:vocab].float()
     for i in range(1, rows):
@@ -127,7 +228,7 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
     if params.repetition_penalty != 1.0:
         seen = counts > 0
         if prompt_ids:
-            seen[:, torch.tensor(list(prompt_ids), dtype=torch.long)] = True
+            seen[:, torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
         penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
         logits = torch.where(seen, penalized, logits)
     if params.frequency_penalty:
@@ -138,8 +239,13 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: li
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a request samples from: temperature, then top-k, then top-p. [.., V] fp32."""
+    """The distribution a request samples from: temperature, then min-p, top-k and top-p (vLLM's
+    order). [.., V] fp32."""
     logits = logits.float() / params.temperature
+    if params.min_p:
+        probs = torch.softmax(logits, dim=-1)
+        # Relative to the most likely token, which therefore always stays.
+        logits = logits.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -173,7 +279,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     if not tokens:
         return []
     logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
-    chosen = logprobs.gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1).tolist()
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device).unsqueeze(-1)).squeeze(-1).tolist()
     if top:
         values, ids = torch.topk(logprobs, top, dim=-1)
         tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

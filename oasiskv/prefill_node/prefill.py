@@ -16,7 +16,15 @@ import torch
 from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, pack_layer, rank_blocks, ranking_radius_weight, summarize_layer
 from ..models.attention import AttentionBatch, PagedAttention
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
-from ..models.sampling import SamplingParams, TokenLogprob, apply_penalties, make_generator, sample, token_logprobs
+from ..models.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    make_generator,
+    process_logits,
+    require_known_tokens,
+    sample,
+    token_logprobs,
+)
 from ..models.transformer import DecoderModel
 from .cancellation import raise_if
 
@@ -57,11 +65,14 @@ class _CapturingAttention(PagedAttention):
 
 class Prefiller:
     def __init__(self, model: DecoderModel, client, block_size: int = 16, chunk_tokens: int = 1024,
-                 summary_kind: str = DEFAULT_SUMMARY_KIND):
+                 summary_kind: str = DEFAULT_SUMMARY_KIND, eos_token_ids=None):
         self.model = model
         self.client = client
         self.layout = kv_layout_for(model, block_size, summary_kind)
         self.chunk_tokens = chunk_tokens
+        # What min_tokens keeps the first token from being: the decode node's EOS ids (the model's
+        # and its tokenizer's, `eos_token_ids`), or the model's alone when none are given.
+        self.eos_token_ids = set(model.config.eos_token_ids) | set(eos_token_ids or ())
 
     @torch.inference_mode()
     def prefill(
@@ -87,6 +98,7 @@ class Prefiller:
         num_tokens = len(prompt_ids)
         if any(not 0 <= t < config.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {config.vocab_size}) for this model")
+        require_known_tokens(params, config.vocab_size)
         if num_tokens >= config.max_position_embeddings:
             raise ValueError(f"the prompt ({num_tokens} tokens) leaves no room in the model's context of "
                              f"{config.max_position_embeddings} tokens")
@@ -122,9 +134,10 @@ class Prefiller:
                 backend.final_chunk = end == num_tokens
                 backend.batch = AttentionBatch.dense([table], [start], [end - start], layout.block_size, device)
                 hidden = model(torch.tensor(prompt_ids[start:end], device=device), torch.arange(start, end, device=device), backend)
-            logits = model.compute_logits(hidden[-1:])
+            logits = model.compute_logits(hidden[-1:]).cpu()  # sampled with a CPU generator, as the decode node does
             generator = None if params.greedy else make_generator(params.seed)
-            chosen_from = apply_penalties(logits, params, prompt_ids, []) if params.penalized else logits
+            chosen_from = (process_logits(logits, params, prompt_ids, [], eos_token_ids=self.eos_token_ids)
+                           if params.processed else logits)
             first = sample(chosen_from, [params], [generator])[0]
             first_logprob = None if params.logprobs is None else token_logprobs(logits, [first], params.logprobs)[0]
             for handle in handles:

@@ -82,13 +82,25 @@ def to_vllm_sampling(params: SamplingParams, request_id: str, store_address: str
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else 0,
+        min_p=params.min_p,
         seed=params.seed,
         logprobs=params.logprobs,
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias) or None,
         extra_args={"kv_transfer_params": {REQUEST_ID_PARAM: request_id, STORE_PARAM: store_address}},
+        **_first_token_min_tokens(params),
     )
+
+
+def _first_token_min_tokens(params: SamplingParams) -> dict:
+    """min_tokens for vLLM's one token: it may not be EOS or a stop token when min_tokens > 0.
+    vLLM wants min_tokens <= max_tokens (1), and needs the stop tokens to mask them; they are
+    given only then, when they cannot end its one token early."""
+    if not params.min_tokens:
+        return {}
+    return {"min_tokens": 1, "stop_token_ids": list(params.stop_token_ids), "ignore_eos": params.ignore_eos}
 
 
 def first_logprob(logprobs, token: int, top: int | None) -> TokenLogprob | None:

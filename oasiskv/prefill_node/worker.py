@@ -13,6 +13,7 @@ from ..models.device import require_device
 from ..models.loader import load_model_dir
 from ..models.pull import resolve_model
 from ..models.sampling import SamplingParams
+from ..models.tokenizer import load_tokenizer
 from .cancellation import Cancellations, raise_if
 from .prefill import Prefiller, PrefillResult
 
@@ -26,6 +27,8 @@ class PrefillWorker:
             torch.set_num_threads(threads_within_limit(threads))
         model_dir = resolve_model(model, progress=False)
         self.model = load_model_dir(model_dir, dtype=getattr(torch, dtype), device=device)
+        # The first token's min_tokens must keep out every EOS the decode node stops on.
+        self.eos_token_ids = load_tokenizer(model_dir).eos_token_ids
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         self.transport = transport
@@ -41,7 +44,7 @@ class PrefillWorker:
         if store_address not in self._prefillers:
             client = connect(store_address, transport=self.transport)
             self._prefillers[store_address] = Prefiller(self.model, client, self.block_size, self.chunk_tokens,
-                                                        self.summary_kind)
+                                                        self.summary_kind, self.eos_token_ids)
         return self._prefillers[store_address]
 
     def prefill(self, request_id: str, prompt_ids: list[int], params: dict, store_address: str,

@@ -188,6 +188,70 @@ def test_penalties_take_effect_as_in_the_engine_streamed_or_not(client, smollm2_
     assert nulls.choices[0].text == plain
 
 
+def test_logit_bias_forces_a_token_in_completions_and_chat(client, smollm2_llm):
+    """+100 on one token id makes greedy decoding output that token (the prefill's first token
+    and every decode step's); an id the model does not have is a 400 that names it."""
+    prompt = "def fibonacci(n):"
+    forced = smollm2_llm.encode(" banana")[0]
+    expected = smollm2_llm.generate([smollm2_llm.encode(prompt)], SamplingParams(max_tokens=6, logit_bias={forced: 100}))[0]
+    assert expected.token_ids == [forced] * 6
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                    logit_bias={str(forced): 100})
+    assert out.choices[0].text == expected.text == " banana" * 6
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == " banana" * 4
+    with pytest.raises(openai.BadRequestError, match="logit_bias token id 49152 is not in the model's vocabulary"):
+        client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=4, logit_bias={"49152": 1})
+
+
+def test_min_tokens_holds_off_eos_streamed_or_not(client, smollm2_llm):
+    """The model answers "Yes." and ends; min_tokens keeps EOS out of the first tokens, as the
+    single-process engine does. Without max_tokens, the default grows to min_tokens."""
+    messages = [{"role": "user", "content": "Reply with one word: yes or no?"}]
+    ids = smollm2_llm.tokenizer.apply_chat_template(messages)
+    plain = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=60, temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 5
+    expected = smollm2_llm.generate([ids], SamplingParams(max_tokens=60, min_tokens=12))[0]
+    extra = {"min_tokens": 12}
+    chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=60, temperature=0,
+                                          extra_body=extra)
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=messages, max_tokens=60, temperature=0, stream=True, extra_body=extra)]
+    assert chat.choices[0].message.content == "".join(pieces) == expected.text
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == len(expected.token_ids) > 12
+    unbounded = client.completions.create(model=DEFAULT_MODEL, prompt=ids, temperature=0, extra_body={"min_tokens": 20})
+    assert unbounded.usage.completion_tokens == 20 and unbounded.choices[0].finish_reason == "length"
+    # EOS made the first choice: the prefill's token may not be it, the decode's next one is.
+    eos = smollm2_llm.tokenizer.eos_token_id
+    eager = client.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=8, temperature=0,
+                                      logit_bias={str(eos): 100}, extra_body={"min_tokens": 1})
+    assert eager.usage.completion_tokens == 2 and eager.choices[0].finish_reason == "stop" and eager.choices[0].text
+
+
+def test_min_tokens_holds_off_a_stop_string(client, smollm2_llm):
+    """The count reaches "7" at once; with min_tokens the first "7" is output and the one of "17"
+    ends it."""
+    prompt = "1, 2, 3, 4,"
+    params = SamplingParams(max_tokens=60, stop=["7"], min_tokens=8)
+    expected = smollm2_llm.generate([smollm2_llm.encode(prompt)], params)[0]
+    assert expected.text == " 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 1"
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=60, temperature=0, stop="7",
+                                    extra_body={"min_tokens": 8})
+    assert out.choices[0].text == expected.text and out.choices[0].finish_reason == "stop"
+
+
+def test_min_p_is_applied(client, smollm2_llm):
+    """min_p 1 keeps only the most likely token: sampled at temperature 1 the text is greedy's."""
+    prompt = "Once upon a time"
+    greedy = smollm2_llm.generate([smollm2_llm.encode(prompt)], SamplingParams(max_tokens=16, ignore_eos=True))[0].text
+    plain, kept = [client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=16, temperature=1.0, seed=3,
+                                             extra_body={"ignore_eos": True, **extra}).choices[0].text
+                   for extra in ({}, {"min_p": 1.0})]
+    assert kept == greedy and plain != greedy
+
+
 def test_stop_token_ids_end_the_output_at_that_token(client, smollm2_llm):
     prompt = "def fibonacci(n):"
     ids = smollm2_llm.encode(prompt)
@@ -262,10 +326,19 @@ def _post(server, path: str, body: dict) -> httpx.Response:
         ({"model": DEFAULT_MODEL, "prompt": "hi", "oasiskv_budget_tokens": 24}, 422, "multiple of the block size"),
         ({"model": DEFAULT_MODEL, "prompt": "hi \ud800", "max_tokens": 4}, 422, "lone surrogate"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "stop": ["\udc00"]}, 422, "lone surrogate"),
-        ({"model": DEFAULT_MODEL, "prompt": "hi", "logit_bias": {"42": 5}}, 400, "logit_bias"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "logit_bias": {"abc": 5}}, 400,
+         "logit_bias keys must be integer token ids, got 'abc'"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "logit_bias": {"99999999": 5}}, 400,
+         "logit_bias token id 99999999 is not in the model's vocabulary [0, 49152)"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "logit_bias": {"42": 101}}, 400,
+         "logit_bias values must be numbers in [-100, 100], got 101 for token id 42"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "logit_bias": {str(i): 1 for i in range(301)}}, 400,
+         "logit_bias may bias at most 300 tokens"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 8}, 400,
+         "min_tokens (8) must be <= max_tokens (4)"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "min_tokens": -1}, 400, "min_tokens must be >= 0"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "min_p": 1.5}, 400, "min_p must be in [0, 1], got 1.5"),
         # vLLM options not implemented here: refused, not ignored (the output would differ).
-        ({"model": DEFAULT_MODEL, "prompt": "hi", "min_tokens": 8}, 400, "min_tokens is not supported"),
-        ({"model": DEFAULT_MODEL, "prompt": "hi", "min_p": 0.1}, 400, "min_p is not supported"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0, 2]"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided_choice"),

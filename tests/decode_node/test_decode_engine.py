@@ -111,6 +111,40 @@ def test_penalized_decoding_matches_the_single_process_engine(smollm2_llm, store
     assert tokens == expected.token_ids
 
 
+def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
+    """A prompt and the parameters whose processing changes its output (checked by the test)."""
+    passage = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick!\n"
+    repeated = llm.encode(passage * 3 + "The quick brown")
+    if case == "logit_bias":  # bans two words of the passage, and leans to another
+        bias = {llm.encode(" fox")[0]: -100, llm.encode(" dozen")[0]: -100, llm.encode(" cat")[0]: 4}
+        return repeated, SamplingParams(max_tokens=64, ignore_eos=True, logit_bias=bias)
+    if case.startswith("min_tokens"):  # the model says "Yes." and ends, with EOS as soon as it may
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Reply with one word: yes or no?"}])
+        return prompt, SamplingParams(max_tokens=60, min_tokens=int(case.split("-")[1]))
+    # min_p 1 at temperature 1 keeps the most likely token alone: the output is deterministic.
+    return repeated, SamplingParams(max_tokens=64, ignore_eos=True, temperature=1.0, min_p=1.0, seed=5)
+
+
+@pytest.mark.parametrize("case", ["logit_bias", "min_tokens-12", "min_tokens-30", "min_p"])
+def test_min_p_min_tokens_and_logit_bias_decode_as_the_single_process_engine(smollm2_llm, store, case):
+    """Verification processes each draft row for its own output position (min_tokens bans EOS
+    only on the rows before it), and the prefill's first token too; the drafts come from the
+    model itself, unprocessed, so they propose what the processing rules out."""
+    prompt, params = _processed_case(smollm2_llm, case)
+    (expected,) = smollm2_llm.generate([prompt], params)
+    unprocessed = dataclasses.replace(params, logit_bias={}, min_tokens=0, min_p=0.0)
+    assert expected.token_ids != smollm2_llm.generate([prompt], unprocessed)[0].token_ids
+    if case.startswith("min_tokens"):
+        assert expected.finish_reason == "stop" and len(expected.token_ids) > params.min_tokens
+    model, tok = smollm2_llm.model, smollm2_llm.tokenizer
+    drafter = DraftModelDrafter(model, model.config.vocab_size, tok, tok, window_tokens=256, max_chunk=64)
+    engine, (tokens,) = run_engine(smollm2_llm, store, [prompt], DecodeConfig(num_draft_tokens=4, kv_pool_gb=0.25),
+                                   params=params, drafter=drafter, tag=f"-{case}")
+    assert engine.counters.drafts_accepted > 4
+    assert tokens == expected.token_ids
+    assert store.stats().num_requests == 0
+
+
 def test_small_budget_fetches_only_the_predicted_blocks(smollm2_llm, store, prompts):
     config = DecodeConfig(mode="lookahead", budget_tokens=160, kv_pool_gb=0.25)
     engine, tokens = run_engine(smollm2_llm, store, prompts, config, tag="-small")

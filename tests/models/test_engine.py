@@ -153,3 +153,48 @@ def test_a_max_model_len_beyond_the_models_context_is_refused(smollm2_llm):
 
     with pytest.raises(ValueError, match="longer than the model's context"):
         LLM.from_model(smollm2_llm.model, smollm2_llm.tokenizer, kv_cache_gb=0.01, max_model_len=10**7)
+
+
+def test_logit_bias_forces_or_bans_tokens_and_leaves_the_logprobs_raw(smollm2_llm):
+    """+100 makes greedy decoding pick that token every time, -100 never; a request beside them
+    in the batch is unchanged. The logprobs stay the model's raw ones, as with the penalties."""
+    prompt = smollm2_llm.encode("def fibonacci(n):")
+    plain = smollm2_llm.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids
+    forced_id = smollm2_llm.encode(" banana")[0]
+    forced, banned, beside = smollm2_llm.generate([prompt] * 3, [
+        SamplingParams(max_tokens=8, logit_bias={forced_id: 100}, logprobs=1),
+        SamplingParams(max_tokens=8, logit_bias={str(plain[0]): -100}),
+        SamplingParams(max_tokens=8)])
+    assert forced.token_ids == [forced_id] * 8
+    assert banned.token_ids[0] != plain[0] and plain[0] not in banned.token_ids
+    assert beside.token_ids == plain
+    first = forced.logprobs[0]
+    assert first.token_id == forced_id and first.top[0][0] == plain[0] and first.logprob < first.top[0][1]
+
+
+def test_min_tokens_holds_off_eos_and_stop_tokens(smollm2_llm):
+    """The model answers "Yes." and ends; with min_tokens it goes on, and ends with EOS as soon
+    as it may."""
+    prompt = smollm2_llm.tokenizer.apply_chat_template([{"role": "user", "content": "Reply with one word: yes or no?"}])
+    eos = smollm2_llm.eos_token_ids
+    plain = smollm2_llm.generate([prompt], SamplingParams(max_tokens=60))[0]
+    assert plain.finish_reason == "stop" and len(plain.token_ids) < 5 and plain.token_ids[-1] in eos
+    for min_tokens in (12, 30):
+        out = smollm2_llm.generate([prompt], SamplingParams(max_tokens=60, min_tokens=min_tokens))[0]
+        assert out.finish_reason == "stop" and len(out.token_ids) > min_tokens
+        assert not eos & set(out.token_ids[:min_tokens]) and out.token_ids[-1] in eos
+    period = plain.token_ids[1]  # "."
+    out = smollm2_llm.generate([prompt], SamplingParams(max_tokens=60, min_tokens=10, stop_token_ids=[period]))[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) > 10 and period not in out.token_ids[:10]
+    with pytest.raises(ValueError, match=r"min_tokens \(61\) must be <= max_tokens \(60\)"):
+        SamplingParams(max_tokens=60, min_tokens=61)
+
+
+def test_min_p_one_samples_only_the_most_likely_token(smollm2_llm):
+    """min_p 1 keeps only the tokens as likely as the best: sampling at temperature 1 then gives
+    greedy decoding's tokens, which it does not without min_p."""
+    prompt = smollm2_llm.encode("Once upon a time")
+    greedy = smollm2_llm.generate([prompt], SamplingParams(max_tokens=20, ignore_eos=True))[0].token_ids
+    hot = dict(max_tokens=20, temperature=1.0, seed=3, ignore_eos=True)
+    assert smollm2_llm.generate([prompt], SamplingParams(**hot))[0].token_ids != greedy
+    assert smollm2_llm.generate([prompt], SamplingParams(**hot, min_p=1.0))[0].token_ids == greedy

@@ -145,3 +145,108 @@ def test_penalties_follow_the_openai_and_vllm_formulas_row_by_row():
 def test_penalties_out_of_range_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_min_p_keeps_the_tokens_at_least_min_p_times_as_likely_as_the_best():
+    """After temperature: at temperature 2 the probabilities go as exp(logit / 2)."""
+    logits = torch.tensor([0.0, -1.0, -3.0, 1.0, 1.0 - 2 * 0.7])
+    probs = target_probs(logits, SamplingParams(temperature=2.0, min_p=0.5))
+    # exp((l - 1) / 2) >= 0.5 keeps l >= 1 + 2 ln 0.5 = -0.386: tokens 0, 3 and 4 (ratio 0.497 < 0.5 drops 4).
+    ratio = torch.exp((logits - 1.0) / 2.0)
+    assert torch.equal(probs > 0, ratio >= 0.5)
+    assert torch.equal(probs > 0, torch.tensor([True, False, False, True, False]))
+    kept = torch.softmax(logits[[0, 3]] / 2.0, dim=-1)
+    assert torch.allclose(probs[[0, 3]], kept)
+    assert torch.equal(target_probs(logits, SamplingParams(temperature=2.0, min_p=1.0)) > 0, logits == logits.max())
+    # Greedy decoding is the argmax whatever min_p says.
+    assert sample(logits[None], [SamplingParams(min_p=1.0)], [None]) == [3]
+
+
+def test_min_p_comes_before_top_p_as_in_vllm():
+    """min_p 0.5 keeps [0.4, 0.3, 0.2] (renormalized 4/9, 3/9, 2/9), then top_p 0.75 is reached
+    by the first two; top_p first would have kept three."""
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
+    probs = target_probs(logits, SamplingParams(temperature=1.0, min_p=0.5, top_p=0.75))
+    assert torch.allclose(probs, torch.tensor([4 / 7, 3 / 7, 0.0, 0.0]))
+
+
+def test_logit_bias_is_added_to_the_logits_and_moves_greedy_decoding():
+    from oasiskv.models.sampling import process_logits
+
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0], [2.0, 0.0, 1.0, 0.5]])
+    params = SamplingParams(logit_bias={"2": 2.5, 0: -100})  # JSON gives string keys
+    assert params.logit_bias == {2: 2.5, 0: -100.0}
+    got = process_logits(logits, params, [], [], drafts=[1])
+    assert torch.equal(got, logits + torch.tensor([-100.0, 0.0, 2.5, 0.0]))
+    assert sample(got, [params] * 2, [None, None]) == [2, 2]
+    assert sample(logits, [params] * 2, [None, None]) == [1, 0]  # unbiased
+
+
+def test_min_tokens_bans_eos_and_the_stop_tokens_row_by_row():
+    """Row i is output position len(output) + i: with 2 tokens out and min_tokens 4, rows 0 and 1
+    (positions 2 and 3) may not end the output, rows 2 and 3 may."""
+    from oasiskv.models.sampling import process_logits
+
+    logits = torch.zeros(4, 8)
+    params = SamplingParams(min_tokens=4, stop_token_ids=[5])
+    got = process_logits(logits, params, [7], [3, 4], drafts=[1, 2, 3], eos_token_ids={0, 2})
+    banned = torch.zeros(4, 8, dtype=torch.bool)
+    banned[:2, [0, 2, 5]] = True
+    assert torch.equal(torch.isinf(got), banned) and (got[banned] < 0).all()
+    # An ignored EOS ends nothing, so it stays; the stop tokens are still banned.
+    ignoring = process_logits(logits, SamplingParams(min_tokens=4, stop_token_ids=[5], ignore_eos=True), [7],
+                              [3, 4], drafts=[1, 2, 3], eos_token_ids={0, 2})
+    assert torch.equal(torch.isinf(ignoring), banned & (torch.arange(8) == 5))
+    assert torch.equal(process_logits(logits, params, [7], [3, 4, 1, 2], eos_token_ids={0, 2}), logits)
+
+
+def test_min_tokens_and_logit_bias_come_before_the_penalties_as_in_vllm():
+    """The repetition penalty divides the biased logit: (2 + 1) / 1.5, not 2 / 1.5 + 1."""
+    from oasiskv.models.sampling import process_logits
+
+    logits = torch.tensor([[2.0, 1.0, 0.5]])
+    params = SamplingParams(logit_bias={0: 1.0}, repetition_penalty=1.5, frequency_penalty=0.5, min_tokens=1)
+    got = process_logits(logits, params, [0], [], eos_token_ids={1})
+    assert torch.allclose(got, torch.tensor([[3.0 / 1.5, float("-inf"), 0.5]]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"min_p": 1.5}, r"min_p must be in \[0, 1\], got 1.5"),
+        ({"min_p": -0.1}, "min_p must be in"),
+        ({"min_p": float("nan")}, "min_p must be in"),
+        ({"min_tokens": -1}, "min_tokens must be >= 0"),
+        ({"min_tokens": 2.5}, "min_tokens must be an integer"),
+        ({"min_tokens": 9, "max_tokens": 8}, r"min_tokens \(9\) must be <= max_tokens \(8\)"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias keys must be integer token ids, got 'abc'"),
+        ({"logit_bias": {"1.5": 1}}, "logit_bias keys must be integer token ids"),
+        ({"logit_bias": {5: 100.5}}, r"logit_bias values must be numbers in \[-100, 100\], got 100.5 for token id 5"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias values must be numbers"),
+        ({"logit_bias": {5: "1"}}, "logit_bias values must be numbers"),
+        ({"logit_bias": {"5": 1, 5: 2}}, "logit_bias names token id 5 twice"),
+        ({"logit_bias": {i: 1 for i in range(301)}}, "logit_bias may bias at most 300 tokens, got 301"),
+        ({"logit_bias": [5]}, "logit_bias must be a map"),
+    ],
+)
+def test_bad_min_p_min_tokens_and_logit_bias_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_logit_bias_ids_outside_the_vocabulary_are_refused_by_id():
+    from oasiskv.models.sampling import require_known_tokens
+
+    require_known_tokens(SamplingParams(logit_bias={0: 1, 99: -1}), 100)
+    for bad in (100, -1):
+        with pytest.raises(ValueError, match=rf"logit_bias token id {bad} is not in the model's vocabulary \[0, 100\)"):
+            require_known_tokens(SamplingParams(logit_bias={5: 1, bad: 1}), 100)
+
+
+def test_the_new_fields_survive_the_trip_to_the_workers():
+    """The API hands SamplingParams to the workers as dataclasses.asdict."""
+    import dataclasses
+
+    params = SamplingParams(min_p=0.2, min_tokens=3, logit_bias={"7": -5})
+    assert SamplingParams(**dataclasses.asdict(params)) == params
+    assert not SamplingParams().processed and params.processed and SamplingParams(min_tokens=1).processed

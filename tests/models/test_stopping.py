@@ -95,3 +95,32 @@ def test_text_that_is_not_valid_unicode_is_refused_by_name(tokenizer):
     tokenizers raised a bare TypeError."""
     with pytest.raises(ValueError, match=r"not valid Unicode: '\\udcff' at character 0"):
         tokenizer.encode("\udcff abc")
+
+
+def test_min_tokens_keeps_a_stop_string_from_ending_the_output_early(tokenizer):
+    """As vLLM: a stop string counts once it ends in the text after the first min_tokens tokens;
+    the earlier one is output, the next one ends it. Decoded whole or a step at a time."""
+    ids = tokenizer.encode("alpha STOP beta STOP gamma")
+    first = next(n for n in range(1, len(ids)) if "STOP" in tokenizer.decode(ids[:n]))  # the token ending it
+    params = SamplingParams(stop=["STOP"], min_tokens=first)
+    for decoder in (tokenizer, OutputText(tokenizer)):
+        shown = [visible_text(decoder, ids[:n], params, None, EOS) for n in range(1, len(ids) + 1)]
+        finished_at = next(n for n, (_, reason) in enumerate(shown, 1) if reason == "stop")
+        assert finished_at > first + 1 and shown[finished_at - 1] == ("alpha STOP beta ", "stop")
+    assert visible_text(tokenizer, ids, SamplingParams(stop=["STOP"], min_tokens=first - 1), None, EOS) == ("alpha ", "stop")
+
+
+def test_a_stop_string_ending_after_min_tokens_counts_though_it_began_before(tokenizer):
+    ids = tokenizer.encode("alpha STOP beta")
+    first = next(n for n in range(1, len(ids)) if "STOP" in tokenizer.decode(ids[:n]))
+    assert tokenizer.decode(ids[: first - 1]).startswith("alpha S")  # "STOP" begins in the first min_tokens
+    params = SamplingParams(stop=["STOP"], min_tokens=first - 1)
+    assert visible_text(OutputText(tokenizer), ids[:first], params, None, EOS) == ("alpha ", "stop")
+
+
+def test_eos_and_stop_tokens_do_not_end_the_output_before_min_tokens():
+    from oasiskv.models.engine.stopping import finish_reason
+
+    params = SamplingParams(min_tokens=3, stop_token_ids=[7], max_tokens=10)
+    assert [finish_reason(token, n, params, EOS, False) for token in (0, 7) for n in (1, 3, 4)] == [
+        None, None, "stop", None, None, "stop"]

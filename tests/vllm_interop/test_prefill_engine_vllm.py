@@ -83,3 +83,25 @@ def test_penalties_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
         out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=16, temperature=0,
                                         extra_body=extra, **kwargs)
         assert out.choices[0].text == expected
+
+
+def test_min_p_min_tokens_and_logit_bias_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
+    """vLLM samples the first token with them (min_tokens as far as its one token goes), OasisKV's
+    decode the rest."""
+    messages = [{"role": "user", "content": "Reply with one word: yes or no?"}]
+    ids = smollm2_llm.tokenizer.apply_chat_template(messages)
+    forced = smollm2_llm.encode(" banana")[0]
+    eos = smollm2_llm.tokenizer.eos_token_id
+    for params, kwargs, extra in (
+        (SamplingParams(max_tokens=8, logit_bias={forced: 100}), {"logit_bias": {str(forced): 100}}, {}),
+        (SamplingParams(max_tokens=40, min_tokens=12), {}, {"min_tokens": 12}),
+        # EOS made the first choice: vLLM's one token must not be it, the decode's next one is.
+        (SamplingParams(max_tokens=8, min_tokens=1, logit_bias={eos: 100}), {"logit_bias": {str(eos): 100}},
+         {"min_tokens": 1}),
+        (SamplingParams(max_tokens=16, temperature=1.0, min_p=1.0, seed=3), {"seed": 3}, {"min_p": 1.0}),
+    ):
+        expected = smollm2_llm.generate([ids], params)[0]
+        out = client.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=params.max_tokens,
+                                        temperature=params.temperature, extra_body=extra, **kwargs)
+        assert out.choices[0].text == expected.text and expected.text
+        assert out.usage.completion_tokens == len(expected.token_ids)

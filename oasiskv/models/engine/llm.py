@@ -17,9 +17,9 @@ from ..kv_cache import KVCacheSpec, PagedKVCache
 from ..sampling import (
     SamplingParams,
     TokenLogprob,
-    apply_penalties,
     make_generator,
-    require_known_stop_tokens,
+    process_logits,
+    require_known_tokens,
     sample,
     token_logprobs,
 )
@@ -134,7 +134,7 @@ class LLM:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str = "") -> str:
         params = params or SamplingParams()
         ids = self.encode(prompt)
-        require_known_stop_tokens(params, self.model.config.vocab_size)
+        require_known_tokens(params, self.model.config.vocab_size)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestTooLarge(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
@@ -171,12 +171,12 @@ class LLM:
         if not samplers:
             return []
         chosen_from = logits_rows
-        if any(seq.params.penalized for seq in samplers):
+        if any(seq.params.processed for seq in samplers):
             chosen_from = logits_rows.float().clone()  # the logprobs stay the raw logits'
             for row, seq in enumerate(samplers):
-                if seq.params.penalized:
-                    chosen_from[row] = apply_penalties(logits_rows[row : row + 1], seq.params, seq.prompt_ids,
-                                                       seq.output_ids)[0]
+                if seq.params.processed:
+                    chosen_from[row] = process_logits(logits_rows[row : row + 1], seq.params, seq.prompt_ids,
+                                                      seq.output_ids, eos_token_ids=self.eos_token_ids)[0]
         new_tokens = sample(chosen_from, [s.params for s in samplers], [s.generator for s in samplers])
         for row, (seq, token) in enumerate(zip(samplers, new_tokens)):
             if seq.params.logprobs is not None:
@@ -202,8 +202,11 @@ class LLM:
             device,
         )
         hidden = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device), self.backend)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)]) if sample_rows else None
-        return logits
+        if not sample_rows:
+            return None
+        # Sampled on the CPU, as the decode node does: the generators are CPU ones (a CUDA row
+        # with a CPU generator fails in multinomial), and a few rows of logits are cheap to move.
+        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)]).cpu()
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.output_ids.append(token)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import functools
-
 from ..sampling import SamplingParams
 
 
 def finish_reason(token: int, num_output: int, params: SamplingParams, eos_token_ids, context_full: bool) -> str | None:
     """Reason to stop after emitting `token` as output number `num_output` (1-based)."""
-    if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
+    # Before min_tokens the sampler never picks a stop token; one that comes anyway (a first token
+    # from vLLM, whose EOS ids may be fewer) must not end the output early either.
+    is_stop = token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids)
+    if is_stop and num_output > params.min_tokens:
         return "stop"
     if num_output >= params.max_tokens or context_full:
         return "length"
@@ -35,13 +36,22 @@ class OutputText:
         self.settled = ""  # the text of ids[:self.read], ending on a whole character
         self.context = 0  # where the next decode starts: the boundary before self.read
         self.read = 0
+        self._prefix: tuple[int, int] | None = None  # (n, prefix_chars(ids, n)) last computed
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.skip_special_tokens \
+            else self.tokenizer.decode(ids)
+
+    def prefix_chars(self, ids: list[int], n: int) -> int:
+        """Characters of the text of ids[:n], decoded once per request (the output only grows)."""
+        if self._prefix is None or self._prefix[0] != n:
+            self._prefix = (n, _prefix_chars(self._decode, ids, n))
+        return self._prefix[1]
 
     def decode(self, ids: list[int]) -> str:
         if len(ids) < self.read:
             self._restart()
-        decode = self.tokenizer.decode
-        if self.skip_special_tokens:
-            decode = functools.partial(decode, skip_special_tokens=True)
+        decode = self._decode
         before = decode(ids[self.context : self.read]) if self.read > self.context else ""
         now = decode(ids[self.context :])
         if not now.startswith(before):  # a decoder that rewrote its context: decode it all once
@@ -69,14 +79,32 @@ def visible_text(tokenizer, output_ids: list[int], params: SamplingParams, reaso
     if reason == "stop" and ids and ids[-1] in eos_token_ids and ids[-1] not in params.stop_token_ids:
         ids = ids[:-1]
     text = tokenizer.decode(ids)
-    if params.stop:
-        found = [(i, len(s)) for i, s in ((text.find(s), s) for s in params.stop) if i >= 0]
+    if params.stop and len(ids) > params.min_tokens:
+        # As vLLM: a stop string counts once it ends in the text after the first min_tokens tokens.
+        protected = _protected_chars(tokenizer, ids, params.min_tokens)
+        found = [(i, len(s)) for i, s in ((text.find(s, max(0, protected - len(s) + 1)), s) for s in params.stop)
+                 if i >= 0]
         if found:
             cut, length = min(found)  # the stop string that comes first in the text
             return text[: cut + length if params.include_stop_str_in_output else cut], "stop"
     if reason is None:
         text = _settled(text, params.stop)
     return text, reason
+
+
+def _protected_chars(tokenizer, ids: list[int], min_tokens: int) -> int:
+    """Characters of the text of the first min_tokens output tokens (no stop string ends there)."""
+    if not min_tokens:
+        return 0
+    if hasattr(tokenizer, "prefix_chars"):  # an OutputText: decoded once, not at every step
+        return tokenizer.prefix_chars(ids, min_tokens)
+    return _prefix_chars(tokenizer.decode, ids, min_tokens)
+
+
+def _prefix_chars(decode, ids: list[int], n: int) -> int:
+    # A character whose bytes the next token completes is not part of the protected text: it
+    # ends after the first n tokens.
+    return len(decode(ids[:n]).rstrip("\ufffd"))
 
 
 def _settled(text: str, stops: list[str]) -> str:
