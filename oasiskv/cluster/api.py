@@ -188,8 +188,13 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if max_tokens is None:
         # A default below min_tokens would refuse a request that never named a max_tokens.
+        room = max_model_len - prompt_tokens
+        if isinstance(body.min_tokens, int) and body.min_tokens > room > 0:
+            raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds the {room} tokens left in the model's "
+                                f"context of {max_model_len} after the prompt ({prompt_tokens} tokens)",
+                           "invalid_request_error", "min_tokens")
         default = max(DEFAULT_MAX_TOKENS if isinstance(body, CompletionRequest) else 512, body.min_tokens)
-        max_tokens = max(1, min(default, max_model_len - prompt_tokens))
+        max_tokens = max(1, min(default, room))
     if prompt_tokens == 0:
         raise ApiError(400, "the prompt is empty", "invalid_request_error", "prompt")
     if prompt_tokens + max_tokens > max_model_len:

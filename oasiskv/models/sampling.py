@@ -102,8 +102,9 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be a signed 64-bit integer, in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
-        if not 0.0 <= self.min_p <= 1.0:  # NaN too
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.min_p, numbers.Real) or isinstance(self.min_p, bool) \
+                or not 0.0 <= self.min_p <= 1.0:  # NaN too
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
@@ -176,8 +177,11 @@ def _checked_logit_bias(bias) -> dict[int, float]:
 def _token_id(key) -> int | None:
     if _is_int(key):
         return int(key)
-    if isinstance(key, str) and key.strip().lstrip("+-").isdecimal():
-        return int(key)
+    if isinstance(key, str):
+        digits = key.strip()
+        digits = digits[1:] if digits[:1] in ("+", "-") else digits  # one sign, as int() takes
+        if digits.isdecimal():
+            return int(key)
     return None
 
 

@@ -261,7 +261,11 @@ def test_stop_token_ids_end_the_output_at_that_token(client, smollm2_llm):
                                     extra_body={"stop_token_ids": [full[stop_at]]})
     assert out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens == stop_at + 1
-    assert out.choices[0].text == smollm2_llm.tokenizer.decode(full[: stop_at + 1])
+    # As vLLM: the stop token's own text is left out, unless include_stop_str_in_output.
+    assert out.choices[0].text == smollm2_llm.tokenizer.decode(full[:stop_at])
+    kept = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                     extra_body={"stop_token_ids": [full[stop_at]], "include_stop_str_in_output": True})
+    assert kept.choices[0].text == smollm2_llm.tokenizer.decode(full[: stop_at + 1])
     with pytest.raises(openai.UnprocessableEntityError, match="stop_token_ids"):
         client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=4,
                                   extra_body={"stop_token_ids": [10**9]})
@@ -337,6 +341,8 @@ def _post(server, path: str, body: dict) -> httpx.Response:
         ({"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 8}, 400,
          "min_tokens (8) must be <= max_tokens (4)"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "min_tokens": -1}, 400, "min_tokens must be >= 0"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "min_tokens": 10**6}, 400,
+         "min_tokens (1000000) exceeds the "),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "min_p": 1.5}, 400, "min_p must be in [0, 1], got 1.5"),
         # vLLM options not implemented here: refused, not ignored (the output would differ).
         ({"model": DEFAULT_MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),

@@ -80,6 +80,21 @@ def test_a_stop_string_is_kept_when_asked_for(tokenizer):
         assert visible_text(tokenizer, ids, params, None, EOS) == (expected, "stop")
 
 
+def test_the_stop_token_that_ended_the_output_is_left_out_unless_asked_for(tokenizer):
+    """As vLLM: the text of a stop_token_ids token (or an EOS kept by skip_special_tokens=False)
+    that ended the output is not in it; include_stop_str_in_output keeps it."""
+    ids = tokenizer.encode("alpha beta.")
+    period, im_end = ids[-1], tokenizer.token_to_id("<|im_end|>")
+    for include, expected in ((False, "alpha beta"), (True, "alpha beta.")):
+        params = SamplingParams(stop_token_ids=[period], include_stop_str_in_output=include)
+        assert visible_text(tokenizer, ids, params, "stop", EOS) == (expected, "stop")
+    for include, expected in ((False, "alpha beta."), (True, "alpha beta.<|im_end|>")):
+        params = SamplingParams(skip_special_tokens=False, include_stop_str_in_output=include)
+        assert visible_text(OutputText(tokenizer, False), ids + [im_end], params, "stop", {im_end}) == (expected, "stop")
+    # Not the end of the output (it ran to max_tokens): the token's text stays.
+    assert visible_text(tokenizer, ids, SamplingParams(stop_token_ids=[period]), "length", EOS)[0] == "alpha beta."
+
+
 def test_special_tokens_are_left_out_of_the_text_unless_asked_for(tokenizer):
     """An EOS kept by ignore_eos showed as '<|im_end|>' in the text; vLLM leaves it out."""
     special = tokenizer.token_to_id("<|im_end|>")

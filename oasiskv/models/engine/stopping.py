@@ -76,7 +76,10 @@ def visible_text(tokenizer, output_ids: list[int], params: SamplingParams, reaso
     character whose UTF-8 bytes have not all arrived (decoded as U+FFFD) and an ending that may
     still grow into a stop string are held back until the next tokens settle them."""
     ids = output_ids
-    if reason == "stop" and ids and ids[-1] in eos_token_ids and ids[-1] not in params.stop_token_ids:
+    # As vLLM: the token that ended the output (EOS or one of stop_token_ids) is not in its text,
+    # unless include_stop_str_in_output asks for it.
+    if (reason == "stop" and ids and not params.include_stop_str_in_output
+            and (ids[-1] in eos_token_ids or ids[-1] in params.stop_token_ids)):
         ids = ids[:-1]
     text = tokenizer.decode(ids)
     if params.stop and len(ids) > params.min_tokens:
