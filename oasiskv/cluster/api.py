@@ -189,7 +189,7 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
     if max_tokens is None:
         # A default below min_tokens would refuse a request that never named a max_tokens.
         room = max_model_len - prompt_tokens
-        if isinstance(body.min_tokens, int) and body.min_tokens > room > 0:
+        if body.min_tokens > room > 0:  # room <= 0: the prompt alone is too long, refused below
             raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds the {room} tokens left in the model's "
                                 f"context of {max_model_len} after the prompt ({prompt_tokens} tokens)",
                            "invalid_request_error", "min_tokens")

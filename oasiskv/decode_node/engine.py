@@ -25,7 +25,7 @@ from ..kvstore import DEFAULT_SUMMARY_KIND, KVStoreError, StoreTimeout, ranking_
 from ..kvstore.summary import summary_read_dtype
 from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
-from ..models.engine.stopping import OutputText, finish_reason, visible_text
+from ..models.engine.stopping import OutputText, finish_reason, request_eos_ids, visible_text
 from ..models.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -158,7 +158,7 @@ class DecodeEngine:
             self.config.lookahead_topup_blocks, self.config.prefetch_rank_fraction, self.config.lookahead_layer_group,
         )
         self.drafter = drafter if drafter is not None else NgramDrafter()
-        self.eos_token_ids = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
+        self.eos_token_ids = request_eos_ids(mc, tokenizer)
         self.waiting: deque[DecodeRequest] = deque()
         self.admitting: list[DecodeRequest] = []  # given their rows; their first reads in flight
         self.running: list[DecodeRequest] = []

@@ -15,6 +15,7 @@ import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, pack_layer, rank_blocks, ranking_radius_weight, summarize_layer
 from ..models.attention import AttentionBatch, PagedAttention
+from ..models.engine.stopping import request_eos_ids
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
 from ..models.sampling import (
     SamplingParams,
@@ -65,14 +66,14 @@ class _CapturingAttention(PagedAttention):
 
 class Prefiller:
     def __init__(self, model: DecoderModel, client, block_size: int = 16, chunk_tokens: int = 1024,
-                 summary_kind: str = DEFAULT_SUMMARY_KIND, eos_token_ids=None):
+                 summary_kind: str = DEFAULT_SUMMARY_KIND, tokenizer=None):
         self.model = model
         self.client = client
         self.layout = kv_layout_for(model, block_size, summary_kind)
         self.chunk_tokens = chunk_tokens
-        # What min_tokens keeps the first token from being: the decode node's EOS ids (the model's
-        # and its tokenizer's, `eos_token_ids`), or the model's alone when none are given.
-        self.eos_token_ids = set(model.config.eos_token_ids) | set(eos_token_ids or ())
+        # What min_tokens keeps the first token from being: the EOS ids the decode node stops on
+        # (with no tokenizer, the model's alone).
+        self.eos_token_ids = request_eos_ids(model.config, tokenizer)
 
     @torch.inference_mode()
     def prefill(

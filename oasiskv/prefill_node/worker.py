@@ -28,7 +28,7 @@ class PrefillWorker:
         model_dir = resolve_model(model, progress=False)
         self.model = load_model_dir(model_dir, dtype=getattr(torch, dtype), device=device)
         # The first token's min_tokens must keep out every EOS the decode node stops on.
-        self.eos_token_ids = load_tokenizer(model_dir).eos_token_ids
+        self.tokenizer = load_tokenizer(model_dir)
         self.block_size = block_size
         self.chunk_tokens = chunk_tokens
         self.transport = transport
@@ -44,7 +44,7 @@ class PrefillWorker:
         if store_address not in self._prefillers:
             client = connect(store_address, transport=self.transport)
             self._prefillers[store_address] = Prefiller(self.model, client, self.block_size, self.chunk_tokens,
-                                                        self.summary_kind, self.eos_token_ids)
+                                                        self.summary_kind, self.tokenizer)
         return self._prefillers[store_address]
 
     def prefill(self, request_id: str, prompt_ids: list[int], params: dict, store_address: str,

@@ -92,29 +92,41 @@ def test_token_logprobs_match_the_single_process_engine(smollm2_llm, store, prom
     assert all(e.top[0] == (e.token_id, e.logprob) and e.top[0][1] >= e.top[1][1] for e in logprobs)  # greedy
 
 
+def _repeated_passage(llm) -> list[int]:
+    """A passage three times and the start of a fourth: the model wants to repeat it, which
+    penalties, biases and min_p change."""
+    passage = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick!\n"
+    return llm.encode(passage * 3 + "The quick brown")
+
+
+def _decode_drafting_for_itself(llm, store, prompt: list[int], params: SamplingParams, tag: str):
+    """The decode engine, 4 drafts a step from the model itself (its drafts see none of the
+    request's logits processing): the engine and the request's tokens."""
+    model, tok = llm.model, llm.tokenizer
+    drafter = DraftModelDrafter(model, model.config.vocab_size, tok, tok, window_tokens=256, max_chunk=64)
+    engine, (tokens,) = run_engine(llm, store, [prompt], DecodeConfig(num_draft_tokens=4, kv_pool_gb=0.25),
+                                   params=params, drafter=drafter, tag=tag)
+    return engine, tokens
+
+
 @pytest.mark.parametrize("penalties", [{"presence_penalty": 2.0, "frequency_penalty": 2.0},
                                        {"repetition_penalty": 1.3}])
 def test_penalized_decoding_matches_the_single_process_engine(smollm2_llm, store, penalties):
     """Each verification row is penalized for the drafts before it, so accepted runs decode as
     one token at a time would."""
-    passage = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick!\n"
-    prompt = smollm2_llm.encode(passage * 3 + "The quick brown")
+    prompt = _repeated_passage(smollm2_llm)
     params = SamplingParams(max_tokens=64, ignore_eos=True, **penalties)
     (expected,) = smollm2_llm.generate([prompt], params)
     assert expected.token_ids != smollm2_llm.generate([prompt], SamplingParams(max_tokens=64, ignore_eos=True))[0].token_ids
-    model, tok = smollm2_llm.model, smollm2_llm.tokenizer
     # The model drafting for itself, unpenalized: most drafts still match the penalized choice.
-    drafter = DraftModelDrafter(model, model.config.vocab_size, tok, tok, window_tokens=256, max_chunk=64)
-    engine, (tokens,) = run_engine(smollm2_llm, store, [prompt], DecodeConfig(num_draft_tokens=4, kv_pool_gb=0.25),
-                                   params=params, drafter=drafter, tag=f"-penalty{len(penalties)}")
+    engine, tokens = _decode_drafting_for_itself(smollm2_llm, store, prompt, params, f"-penalty{len(penalties)}")
     assert engine.counters.drafts_accepted > 8
     assert tokens == expected.token_ids
 
 
 def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
     """A prompt and the parameters whose processing changes its output (checked by the test)."""
-    passage = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. How vexingly quick!\n"
-    repeated = llm.encode(passage * 3 + "The quick brown")
+    repeated = _repeated_passage(llm)
     if case == "logit_bias":  # bans two words of the passage, and leans to another
         bias = {llm.encode(" fox")[0]: -100, llm.encode(" dozen")[0]: -100, llm.encode(" cat")[0]: 4}
         return repeated, SamplingParams(max_tokens=64, ignore_eos=True, logit_bias=bias)
@@ -136,10 +148,7 @@ def test_min_p_min_tokens_and_logit_bias_decode_as_the_single_process_engine(smo
     assert expected.token_ids != smollm2_llm.generate([prompt], unprocessed)[0].token_ids
     if case.startswith("min_tokens"):
         assert expected.finish_reason == "stop" and len(expected.token_ids) > params.min_tokens
-    model, tok = smollm2_llm.model, smollm2_llm.tokenizer
-    drafter = DraftModelDrafter(model, model.config.vocab_size, tok, tok, window_tokens=256, max_chunk=64)
-    engine, (tokens,) = run_engine(smollm2_llm, store, [prompt], DecodeConfig(num_draft_tokens=4, kv_pool_gb=0.25),
-                                   params=params, drafter=drafter, tag=f"-{case}")
+    engine, tokens = _decode_drafting_for_itself(smollm2_llm, store, prompt, params, f"-{case}")
     assert engine.counters.drafts_accepted > 4
     assert tokens == expected.token_ids
     assert store.stats().num_requests == 0

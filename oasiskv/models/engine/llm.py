@@ -25,7 +25,7 @@ from ..sampling import (
 )
 from .scheduler import RequestTooLarge, ScheduledBatch, Scheduler
 from .sequence import Sequence
-from .stopping import OutputText, finish_reason, visible_text
+from .stopping import OutputText, finish_reason, request_eos_ids, visible_text
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -114,7 +114,7 @@ class LLM:
             raise ValueError(f"max_model_len {self.config.max_model_len} is longer than the model's context of "
                              f"{mc.max_position_embeddings} tokens")
         self.max_model_len = self.config.max_model_len or mc.max_position_embeddings
-        self.eos_token_ids = set(mc.eos_token_ids) | set(getattr(self.tokenizer, "eos_token_ids", ()))
+        self.eos_token_ids = request_eos_ids(mc, self.tokenizer)
         self._sequences: dict[str, Sequence] = {}
 
     # -- requests ------------------------------------------------------------------------

@@ -5,6 +5,12 @@ from __future__ import annotations
 from ..sampling import SamplingParams
 
 
+def request_eos_ids(model_config, tokenizer=None) -> set[int]:
+    """The ids that end a request: the model config's and the tokenizer's (a chat model's
+    tokenizer may end turns with a token its config does not list)."""
+    return set(model_config.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
+
+
 def finish_reason(token: int, num_output: int, params: SamplingParams, eos_token_ids, context_full: bool) -> str | None:
     """Reason to stop after emitting `token` as output number `num_output` (1-based)."""
     # Before min_tokens the sampler never picks a stop token; one that comes anyway (a first token
