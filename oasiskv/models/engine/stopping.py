@@ -72,8 +72,8 @@ class OutputText:
 
 
 def visible_text(tokenizer, output_ids: list[int], params: SamplingParams, reason: str | None, eos_token_ids):
-    """Detokenized output without a final EOS, cut before the first stop string (after it with
-    `include_stop_str_in_output`). `tokenizer`:
+    """Detokenized output without a final EOS or a final unfinished character, cut before the
+    first stop string (after it with `include_stop_str_in_output`). `tokenizer`:
     anything with decode(ids), a request's `OutputText` to decode only what is new.
     Returns (text, reason) where reason becomes "stop" when a stop string was found.
 
@@ -98,6 +98,9 @@ def visible_text(tokenizer, output_ids: list[int], params: SamplingParams, reaso
             return text[: cut + length if params.include_stop_str_in_output else cut], "stop"
     if reason is None:
         text = _settled(text, params.stop)
+    else:
+        # As vLLM: bytes of a character the output ended before completing are not shown.
+        text = text.rstrip("\ufffd")
     return text, reason
 
 
