@@ -403,7 +403,9 @@ def test_bad_arguments_are_refused_without_sending(fake, capsys):
     for argv in (["--base-url", "ftp://127.0.0.1:1"], ["--num-prompts", "0"], ["--max-concurrency", "0"],
                  ["--dataset", "jsonl"], ["--goodput", "speed:3"], ["--percentiles", "0,120"],
                  ["--percentiles", "50,abc"],  # once a bare "could not convert string to float"
-                 ["--save-result", "--result-dir", "/proc/nope"]):  # once found only after the whole run
+                 ["--save-result", "--result-dir", "/proc/nope"],  # once found only after the whole run
+                 ["--metadata", "foo"], ["--metadata", "a=1", "=2"],  # once accepted, or dropped silently
+                 ["--tokenizer", "/nonexistent"], ["--tokenizer", "/proc"]):  # once a raw traceback
         args = parse("serve", "--disable-tqdm", *argv) if "--base-url" in argv else parse(
             "serve", "--base-url", fake.url, "--disable-tqdm", *argv)
         assert run_bench(args) == 2, argv
@@ -436,3 +438,11 @@ def test_exact_lengths_with_a_tokenizer(tmp_path):
     requests = random_requests(5, 37, 4, 0.0, np.random.default_rng(0), counter)
     assert all(r.prompt_len == 37 == counter.count(r.prompt) for r in requests)
     assert counter.truncate("the of and to in", 3) == "the of and"
+
+
+def test_a_result_dir_that_does_not_exist_is_made_and_metadata_keeps_its_values(fake, tmp_path):
+    folder = tmp_path / "runs" / "today"
+    code, record = bench(fake, folder, "--num-prompts", "1", "--random-input-len", "4", "--random-output-len", "3",
+                         "--skip-initial-test", "--no-plot", "--metadata", "gpu=none", "note=a=b")
+    assert code == 0 and folder.is_dir()
+    assert record["config"]["metadata"] == {"gpu": "none", "note": "a=b"}

@@ -118,10 +118,17 @@ def _check_args(args: argparse.Namespace) -> tuple[dict, list[float]]:
         raise ValueError(f"--percentiles must be numbers separated by commas, got {args.percentiles!r}") from exc
     if any(not 0 < p < 100 for p in percentiles):
         raise ValueError("--percentiles must be between 0 and 100")
+    malformed = [item for item in args.metadata if not item.split("=", 1)[0] or "=" not in item]
+    if malformed:
+        raise ValueError(f"--metadata takes KEY=VALUE items, got {malformed[0]!r}")
     if args.save_result:
         # Before the run, not after it: an unwritable folder threw away a whole run's results.
         folder = Path(args.result_dir)
-        if not folder.is_dir() or not os.access(folder, os.W_OK):
+        try:
+            folder.mkdir(parents=True, exist_ok=True)  # as vLLM's bench serve makes it
+        except OSError as exc:
+            raise ValueError(f"--result-dir {str(folder)!r} cannot be made: {exc}") from exc
+        if not os.access(folder, os.W_OK):
             raise ValueError(f"--result-dir {str(folder)!r} is not a folder this user can write to")
     return parse_goodput(args.goodput), percentiles
 
@@ -187,7 +194,7 @@ async def _serve(args: argparse.Namespace) -> int:
         "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
         "temperature": args.temperature, "ignore_eos": args.ignore_eos,
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "metadata": dict(item.split("=", 1) for item in args.metadata if "=" in item),
+        "metadata": dict(item.split("=", 1) for item in args.metadata),
     }
     print(format_report(summary, run_config))
 

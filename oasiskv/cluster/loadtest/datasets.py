@@ -56,7 +56,12 @@ class TokenCounter:
             from tokenizers import Tokenizer
 
             path = Path(tokenizer_path)
-            self._tokenizer = Tokenizer.from_file(str(path / "tokenizer.json" if path.is_dir() else path))
+            file = path / "tokenizer.json" if path.is_dir() else path
+            try:
+                self._tokenizer = Tokenizer.from_file(str(file))
+            except Exception as exc:  # the tokenizers library raises a bare Exception for every failure
+                raise ValueError(f"--tokenizer {tokenizer_path!r}: {file} is not a readable tokenizer.json ({exc})") \
+                    from exc
 
     @property
     def exact(self) -> bool:
