@@ -49,6 +49,12 @@ class DecodeWorker:
         self.stores.closed_listeners.append(self.engine.client.forget_route)  # its I/O thread goes with it
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Event loop only. Requests whose `generate` has not queued them for the engine yet, and
+        # aborts that came before that (monotonic time): the API aborts a request whose client hung
+        # up as soon as it has asked for the stream, and an abort the engine does not know yet was
+        # lost, so the request then decoded to max_tokens for nobody, its rows held.
+        self._not_yet_added: set[str] = set()
+        self._early_aborts: dict[str, float] = {}
         self._text_sent: dict[str, int] = {}  # per running request, characters its stream has had (loop thread)
         self._error: str | None = None  # set when the engine is broken for good
         self._step_failures = 0  # steps that raised and ended their requests, since start
@@ -95,7 +101,13 @@ class DecodeWorker:
         Off the actor's event loop: closing a client waits for the call it may be in."""
         return await asyncio.get_running_loop().run_in_executor(None, self.stores.retire, address)
 
+    EARLY_ABORT_MEMORY_S = 600.0  # an abort of a request never seen is forgotten after this
+
     def abort(self, request_id: str) -> None:
+        if request_id in self._not_yet_added or request_id not in self._streams:
+            now = time.monotonic()
+            self._early_aborts = {r: t for r, t in self._early_aborts.items() if now - t < self.EARLY_ABORT_MEMORY_S}
+            self._early_aborts[request_id] = now
         self._commands.put(("abort", request_id, None))
 
     def shutdown(self, timeout_s: float = 60.0) -> None:
@@ -122,24 +134,40 @@ class DecodeWorker:
         if self._closed:
             raise RuntimeError("decode worker is shut down")
         loop = asyncio.get_running_loop()
-        # A store this worker has not used yet is connected to here, off the decode loop: one
-        # that does not answer holds up only this request (for the timeout), not every request
-        # decoding meanwhile.
-        await loop.run_in_executor(None, self.stores.client_for, store_address)
         outputs: asyncio.Queue = asyncio.Queue()
         request_id = prefill.request_id
         self._streams[request_id] = (loop, outputs)
-        self._commands.put(("add", request_id, (prefill, SamplingParams(**params), store_address, mode, budget_tokens)))
+        self._not_yet_added.add(request_id)
+        finished = False
         try:
+            try:
+                # A store this worker has not used yet is connected to here, off the decode loop:
+                # one that does not answer holds up only this request (for the timeout), not every
+                # request decoding meanwhile.
+                await loop.run_in_executor(None, self.stores.client_for, store_address)
+            finally:
+                self._not_yet_added.discard(request_id)
+            if self._early_aborts.pop(request_id, None) is not None:
+                # Aborted before the engine had it: its store memory is still to be given back.
+                self._commands.put(("discard", request_id, store_address))
+                finished = True
+                yield self._abort_output(request_id)
+                return
+            self._commands.put(("add", request_id, (prefill, SamplingParams(**params), store_address, mode,
+                                                    budget_tokens)))
             while True:
                 item = await outputs.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine let the request go with its error
                     raise item
+                finished = item["finished"]
                 yield item
-                if item["finished"]:
+                if finished:
                     return
         finally:
             self._streams.pop(request_id, None)
+            if not finished:  # the stream was dropped (its caller cancelled it): the request goes too
+                self._commands.put(("abort", request_id, None))
 
     # -- the engine thread ---------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
@@ -193,6 +221,13 @@ class DecodeWorker:
         if kind == "abort":
             self.engine.abort(request_id)
             self._deliver(request_id, self._abort_output(request_id))
+            return
+        if kind == "discard":
+            try:
+                self.stores.bind(request_id, payload)
+                self.stores.free(request_id)
+            except Exception as error:  # its store's TTL frees it in the end; the loop goes on
+                log.warning("freeing aborted request %s in its store: %s", request_id, error)
             return
         prefill, params, store_address, mode, budget = payload
         try:
