@@ -108,7 +108,9 @@ def plan_rows(config, prompt_tokens: int, max_tokens: int, mode: str | None = No
     blocks = -(-(prompt_tokens + max_tokens + config.num_draft_tokens + 1) // bs)  # all it can reach
     if (mode or config.mode) == "dense":
         return RowPlan(sinks=0, ring=blocks + 1, budget=0)
-    budget = (budget_tokens or config.budget_tokens) // bs
+    # A request never has more blocks to select from than it can reach past its sinks: rows for
+    # the whole budget made a short request in a sparse mode need 135 rows where dense needs 5.
+    budget = min((budget_tokens or config.budget_tokens) // bs, max(0, blocks - config.sink_blocks))
     per_page = summary_blocks_per_row(bs, kv_itemsize, summary_read_dtype(config.summary_read_dtype).itemsize)
     return RowPlan(sinks=config.sink_blocks, ring=config.window_blocks + 1, budget=budget,
                    summary_pages=-(-blocks // per_page))

@@ -129,6 +129,16 @@ def test_plan_rows_counts_the_pages_every_block_the_request_can_reach_needs():
         summary_blocks_per_row(15, 2, 4)
 
 
+def test_plan_rows_gives_a_short_request_no_more_budget_rows_than_blocks_it_can_reach():
+    config = DecodeConfig()  # a 2,048-token budget: 128 rows
+    for mode in ("lookahead", "sparse-current"):
+        short = plan_rows(config, 10, 40, mode, kv_itemsize=2)  # 54 tokens: 4 blocks, 1 of them the sink
+        assert (short.sinks, short.budget, short.total) == (1, 3, 1 + 5 + 3 + 1)
+    assert plan_rows(config, 8, 4, "lookahead", kv_itemsize=2).budget == 0  # 16 tokens with the drafts: one block, the sink
+    assert plan_rows(config, 3000, 100, "lookahead", kv_itemsize=2).budget == 128
+    assert plan_rows(config, 10, 40, "lookahead", budget_tokens=32, kv_itemsize=2).budget == 2
+
+
 @pytest.fixture(scope="module")
 def store():
     return KVStore(64 * 2**20)
