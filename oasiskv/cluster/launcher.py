@@ -231,7 +231,8 @@ def launch(config: ServeConfig) -> ClusterHandles:
     decode = [
         # A dead worker is restarted by Ray (it reloads its model); requests in flight on it fail.
         WorkerSlot(f"decode-{i}", decode_cls.options(**_options(config, "decode", max_concurrency=1000, max_restarts=-1)).remote(
-            config.model, config.decode.model_dump(), config.dtype, threads, config.transport))
+            config.model, config.decode.model_dump(), config.dtype, threads, config.transport),
+            seats=config.decode.max_num_seqs)
         for i in range(config.decode_workers)
     ]
     _wait_ready(prefill, left_s(), config, "prefill")

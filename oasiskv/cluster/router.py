@@ -36,6 +36,7 @@ class WorkerSlot:
     name: str
     handle: object
     capacity: int = 0  # decode: pool rows; store: bytes; prefill: unused
+    seats: int = 0  # decode: requests its engine runs at once (max_num_seqs); 0: no limit
     load: int = 0  # prefill: queued tokens; decode: reserved rows; store: reserved bytes
     active: int = 0
     healthy: bool = True
@@ -80,13 +81,16 @@ class Router:
             )
         if store_bytes > max(s.capacity for s in self.stores):
             raise TooLarge(f"the request needs {store_bytes} bytes of KV store; the largest store holds {max(s.capacity for s in self.stores)}")
-        fitting = [w for w in healthy_decode if w.load + rows <= w.capacity]
+        # A worker whose engine runs max_num_seqs requests already makes a new one wait as a full
+        # pool does: it counts as queued, so the queue limit and gauge see it.
+        fitting = [w for w in healthy_decode if w.load + rows <= w.capacity and (not w.seats or w.active < w.seats)]
         queued = False
         if fitting:
             decode = min(fitting, key=lambda w: (w.load / w.capacity, w.active))
         else:
             if self.queued >= self.max_queued_requests:
-                raise Overloaded("every decode KV pool is full and the queue is at its limit", retry_after_s=2)
+                raise Overloaded("every decode KV pool (or every decode worker's max_num_seqs) is full and the queue "
+                                 "is at its limit", retry_after_s=2)
             decode = min(healthy_decode, key=lambda w: (w.load - w.capacity, w.active))
             queued = True
         stores = [s for s in self.stores if s.healthy and s.load + store_bytes <= s.capacity]

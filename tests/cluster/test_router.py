@@ -41,6 +41,21 @@ def test_full_pools_queue_then_refuse_with_retry_after():
     assert router.queued == 0
 
 
+def test_a_worker_running_max_num_seqs_requests_queues_the_next_as_a_full_pool_does():
+    decode = [WorkerSlot("d0", object(), capacity=100, seats=2)]
+    router = Router([WorkerSlot("p0", object())], decode, [WorkerSlot("s0", object(), capacity=1000)],
+                    max_queued_requests=1)
+    first, second = router.assign("a", 1, 1, 1), router.assign("b", 1, 1, 1)
+    assert not first.queued and not second.queued
+    third = router.assign("c", 1, 1, 1)  # rows to spare, but its engine runs two at most
+    assert third.queued and router.queued == 1
+    with pytest.raises(Overloaded, match="max_num_seqs"):
+        router.assign("d", 1, 1, 1)
+    router.release(first)
+    router.release(third)
+    assert not router.assign("e", 1, 1, 1).queued and router.queued == 0
+
+
 def test_store_full_is_503_and_too_large_is_refused():
     """The router refuses; the service makes a request that finds every store full wait for
     room (tests/cluster/test_store_wait.py)."""
