@@ -13,7 +13,7 @@ from ..models.device import parse_device
 
 
 class ServeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a misspelt option must not run as the default
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # a misspelt option must not run as the default
 
     model: str = "smollm2-135m"
     host: str = "127.0.0.1"

@@ -12,8 +12,9 @@ Mode = Literal["dense", "sparse-current", "lookahead"]
 
 
 class DecodeConfig(BaseModel):
-    # A misspelt option (budget_token=64) ran with the default, silently.
-    model_config = ConfigDict(extra="forbid")
+    # A misspelt option (budget_token=64) ran with the default, silently; kv_pool_gb=inf passed
+    # and overflowed in the engine.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     mode: Mode = "lookahead"
     kv_pool_gb: float = Field(1.0, gt=0, description="device KV pool (HBM on a GPU, RAM here): every request's "
@@ -22,7 +23,7 @@ class DecodeConfig(BaseModel):
     sink_blocks: int = Field(1, ge=0, description="first blocks, always resident")
     window_blocks: int = Field(4, ge=1, description="most recent blocks, always resident (local window)")
     num_draft_tokens: int = Field(3, ge=0, le=15, description="k: drafts verified per step (0 = plain decoding)")
-    drafter: str = Field("ngram", description="'ngram' (prompt lookup) or a draft model (registry name / path)")
+    drafter: str = Field("ngram", min_length=1, description="'ngram' (prompt lookup) or a draft model (registry name / path)")
     draft_window_tokens: int = Field(
         1024, ge=16, description="draft model only: besides its first 16 tokens, its KV keeps this many recent ones, "
         "which bounds its memory and what a new request's catch-up runs. Qwen 0.5B drafting eight 8K / 16K stdlib "

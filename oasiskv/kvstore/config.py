@@ -11,7 +11,7 @@ MAX_CAPACITY_GB = 1 << 26
 
 
 class KVStoreConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     # Size of the preallocated arena. Give either capacity_bytes or capacity_gb; the default
     # (1 GiB) leaves plenty of a 2-core / 24 GiB machine to the model processes.

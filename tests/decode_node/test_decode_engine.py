@@ -495,3 +495,7 @@ def test_config_validates_early():
         DecodeConfig(draft_catch_up_budget=-1)
     with pytest.raises(ValueError, match="budget_token\n.*Extra inputs are not permitted"):  # ran as the default 2048
         DecodeConfig(budget_token=64)
+    with pytest.raises(ValueError, match="kv_pool_gb\n.*finite"):  # overflowed in the engine
+        DecodeConfig(kv_pool_gb=float("inf"))
+    with pytest.raises(ValueError, match="drafter\n"):  # was taken for a model in the current folder
+        DecodeConfig(drafter="")

@@ -36,7 +36,7 @@ class EmptyPromptError(ValueError):
 
 class EngineConfig(BaseModel):
     # A misspelled option (kv_cache_gbb=...) was dropped without a word, as vLLM refuses it.
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     model: str = Field("smollm2-135m", description="registry name, HF directory or .gguf file")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
