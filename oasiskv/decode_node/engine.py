@@ -422,7 +422,9 @@ class DecodeEngine:
         if k == 0:
             return [Draft([]) for _ in reqs]
         budgets = [min(k, r.params.max_tokens - len(r.output_ids)) for r in reqs]
-        drafts = self.drafter.propose([r.request_id for r in reqs], [r.history for r in reqs], k, [r.params for r in reqs])
+        drafts = self.drafter.propose([r.request_id for r in reqs], [r.history for r in reqs], k, [r.params for r in reqs],
+                                      prompt_lengths=[len(r.prompt_ids) for r in reqs],
+                                      eos_token_ids=self.eos_token_ids)
         return [Draft(d.tokens[:b], None if d.probs is None else d.probs[:b]) for d, b in zip(drafts, budgets)]
 
     def _write_backs_settled(self, req: DecodeRequest, first: int, last: int) -> bool:

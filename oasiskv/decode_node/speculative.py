@@ -30,8 +30,13 @@ class Draft:
 
 class Drafter(Protocol):
     def propose(
-        self, request_ids: list[str], histories: list[list[int]], k: int, params: list[SamplingParams]
-    ) -> list[Draft]: ...
+        self, request_ids: list[str], histories: list[list[int]], k: int, params: list[SamplingParams], *,
+        prompt_lengths: list[int] | None = None, eos_token_ids=(),
+    ) -> list[Draft]:
+        """Up to k drafts per request. histories: prompt then output; prompt_lengths splits them
+        (for the penalties) and eos_token_ids are the ones min_tokens bans, for a drafter that
+        processes its logits as the target does."""
+        ...
 
     def release(self, request_id: str) -> None: ...
 
@@ -76,7 +81,7 @@ class NgramDrafter:
         self.min_ngram = min_ngram
         self._histories: dict[str, _TokenArray] = {}
 
-    def propose(self, request_ids, histories: list[list[int]], k: int, params=None) -> list[Draft]:
+    def propose(self, request_ids, histories: list[list[int]], k: int, params=None, **_) -> list[Draft]:
         if k == 0:
             return [Draft([]) for _ in histories]
         return [Draft(self._lookup(self._histories.setdefault(rid, _TokenArray()).sync(h), k))

@@ -99,11 +99,20 @@ def _repeated_passage(llm) -> list[int]:
     return llm.encode(passage * 3 + "The quick brown")
 
 
-def _decode_drafting_for_itself(llm, store, prompt: list[int], params: SamplingParams, tag: str):
-    """The decode engine, 4 drafts a step from the model itself (its drafts see none of the
+class _BlindDrafter(DraftModelDrafter):
+    """The draft model without the request's logits processing: it proposes what the processing
+    rules out, so verification has drafts to reject for it."""
+
+    def propose(self, request_ids, histories, k, params, **_):
+        return super().propose(request_ids, histories, k, params)
+
+
+def _decode_drafting_for_itself(llm, store, prompt: list[int], params: SamplingParams, tag: str, blind: bool = True):
+    """The decode engine, 4 drafts a step from the model itself (blind: its drafts see none of the
     request's logits processing): the engine and the request's tokens."""
     model, tok = llm.model, llm.tokenizer
-    drafter = DraftModelDrafter(model, model.config.vocab_size, tok, tok, window_tokens=256, max_chunk=64)
+    drafter = (_BlindDrafter if blind else DraftModelDrafter)(model, model.config.vocab_size, tok, tok,
+                                                              window_tokens=256, max_chunk=64)
     engine, (tokens,) = run_engine(llm, store, [prompt], DecodeConfig(num_draft_tokens=4, kv_pool_gb=0.25),
                                    params=params, drafter=drafter, tag=tag)
     return engine, tokens
@@ -122,6 +131,24 @@ def test_penalized_decoding_matches_the_single_process_engine(smollm2_llm, store
     engine, tokens = _decode_drafting_for_itself(smollm2_llm, store, prompt, params, f"-penalty{len(penalties)}")
     assert engine.counters.drafts_accepted > 8
     assert tokens == expected.token_ids
+
+
+@pytest.mark.parametrize("case", ["repetition_penalty", "logit_bias", "min_tokens-12"])
+def test_a_draft_model_processes_its_logits_as_the_target_does(smollm2_llm, store, case):
+    """Drafts from the model itself under the request's penalties, biases and min_tokens are what
+    the target then picks: nearly all accepted, against far fewer from the same model blind to them."""
+    if case == "repetition_penalty":
+        prompt, params = _repeated_passage(smollm2_llm), SamplingParams(max_tokens=64, ignore_eos=True,
+                                                                        repetition_penalty=1.3)
+    else:
+        prompt, params = _processed_case(smollm2_llm, case)
+    (expected,) = smollm2_llm.generate([prompt], params)
+    blind, blind_tokens = _decode_drafting_for_itself(smollm2_llm, store, prompt, params, f"-blind-{case}")
+    aware, aware_tokens = _decode_drafting_for_itself(smollm2_llm, store, prompt, params, f"-aware-{case}", blind=False)
+    assert blind_tokens == aware_tokens == expected.token_ids
+    rate = aware.counters.drafts_accepted / aware.counters.drafts_proposed
+    assert rate > 0.9 and aware.counters.drafts_accepted > blind.counters.drafts_accepted, (
+        rate, blind.counters.drafts_accepted, blind.counters.drafts_proposed)
 
 
 def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
