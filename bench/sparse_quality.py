@@ -131,7 +131,7 @@ class TeacherForcing:
         self.logprob: dict[int, float] = {}
         self.argmax: dict[int, int] = {}
 
-    def propose(self, request_ids, histories, k, params=None):
+    def propose(self, request_ids, histories, k, params=None, **_):
         drafts = []
         for history in histories:
             n = len(history)
