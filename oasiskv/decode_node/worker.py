@@ -49,11 +49,10 @@ class DecodeWorker:
         self.stores.closed_listeners.append(self.engine.client.forget_route)  # its I/O thread goes with it
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        # Event loop only. Requests whose `generate` has not queued them for the engine yet, and
-        # aborts that came before that (monotonic time): the API aborts a request whose client hung
-        # up as soon as it has asked for the stream, and an abort the engine does not know yet was
-        # lost, so the request then decoded to max_tokens for nobody, its rows held.
-        self._not_yet_added: set[str] = set()
+        # Event loop only. Aborts of requests that have no stream yet (monotonic time): the API
+        # aborts a request whose client hung up as soon as it has asked for the stream, which may
+        # be while `generate` still connects to the store; an abort the engine does not know yet
+        # was lost, so the request then decoded to max_tokens for nobody, its rows held.
         self._early_aborts: dict[str, float] = {}
         self._text_sent: dict[str, int] = {}  # per running request, characters its stream has had (loop thread)
         self._error: str | None = None  # set when the engine is broken for good
@@ -104,7 +103,7 @@ class DecodeWorker:
     EARLY_ABORT_MEMORY_S = 600.0  # an abort of a request never seen is forgotten after this
 
     def abort(self, request_id: str) -> None:
-        if request_id in self._not_yet_added or request_id not in self._streams:
+        if request_id not in self._streams:
             now = time.monotonic()
             self._early_aborts = {r: t for r, t in self._early_aborts.items() if now - t < self.EARLY_ABORT_MEMORY_S}
             self._early_aborts[request_id] = now
@@ -134,27 +133,23 @@ class DecodeWorker:
         if self._closed:
             raise RuntimeError("decode worker is shut down")
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
+        # A store this worker has not used yet is connected to here, off the decode loop: one
+        # that does not answer holds up only this request (for the timeout), not every request
+        # decoding meanwhile.
+        await loop.run_in_executor(None, self.stores.client_for, store_address)
         request_id = prefill.request_id
+        if self._early_aborts.pop(request_id, None) is not None:
+            # Aborted before it had a stream: its store memory is still to be given back.
+            self._commands.put(("discard", request_id, store_address))
+            yield self._abort_output(request_id)
+            return
+        # The stream and the "add" with no await between: a later abort finds the stream, and its
+        # command follows the "add".
+        outputs: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, outputs)
-        self._not_yet_added.add(request_id)
+        self._commands.put(("add", request_id, (prefill, SamplingParams(**params), store_address, mode, budget_tokens)))
         finished = False
         try:
-            try:
-                # A store this worker has not used yet is connected to here, off the decode loop:
-                # one that does not answer holds up only this request (for the timeout), not every
-                # request decoding meanwhile.
-                await loop.run_in_executor(None, self.stores.client_for, store_address)
-            finally:
-                self._not_yet_added.discard(request_id)
-            if self._early_aborts.pop(request_id, None) is not None:
-                # Aborted before the engine had it: its store memory is still to be given back.
-                self._commands.put(("discard", request_id, store_address))
-                finished = True
-                yield self._abort_output(request_id)
-                return
-            self._commands.put(("add", request_id, (prefill, SamplingParams(**params), store_address, mode,
-                                                    budget_tokens)))
             while True:
                 item = await outputs.get()
                 if isinstance(item, BaseException):

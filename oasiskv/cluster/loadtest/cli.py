@@ -118,7 +118,7 @@ def _check_args(args: argparse.Namespace) -> tuple[dict, list[float]]:
         raise ValueError(f"--percentiles must be numbers separated by commas, got {args.percentiles!r}") from exc
     if any(not 0 < p < 100 for p in percentiles):
         raise ValueError("--percentiles must be between 0 and 100")
-    malformed = [item for item in args.metadata if not item.split("=", 1)[0] or "=" not in item]
+    malformed = [item for item in args.metadata if "=" not in item or item.startswith("=")]
     if malformed:
         raise ValueError(f"--metadata takes KEY=VALUE items, got {malformed[0]!r}")
     if args.save_result:
