@@ -110,6 +110,13 @@ class Router:
         a.prefill.active -= 1
         a.prompt_tokens = 0
 
+    def admitted(self, a: Assignment) -> None:
+        """A queued request's decode engine took it in (its first decode output came): it waits no
+        more, so it leaves the queue's count and limit. It stayed counted until it ended."""
+        if a.queued and not a.released:
+            a.queued = False
+            self.queued -= 1
+
     def release(self, a: Assignment) -> None:
         if a.released:
             return

@@ -279,6 +279,7 @@ class ClusterService:
                 except StopAsyncIteration:
                     break
                 out = await deadline.wait(_await(ref))
+                self.router.admitted(assignment)
                 now = time.perf_counter()
                 sent_tokens = token_count
                 logprobs += out.get("logprobs") or []

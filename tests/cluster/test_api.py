@@ -584,6 +584,48 @@ def test_requests_that_find_the_store_full_wait_for_room(server, client, smollm2
     assert _store_requests(server) == 0
 
 
+def test_a_queued_request_counts_as_queued_only_until_it_decodes(server, client):
+    """The decode worker's seats all taken, the next request waits in the decode queue; once its
+    engine takes it in and it streams, the queue count (its limit, the gauge) no longer holds
+    it. It stayed counted as queued until it ended, so a burst read as a queue long after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    service = server.service
+    decode = service.router.decode[0]
+    seats = decode.seats
+    assert seats and service.queued == 0
+
+    def hold_a_seat(i):
+        with httpx.stream("POST", f"{server.url}/v1/completions", timeout=120,
+                          headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"model": DEFAULT_MODEL, "prompt": f"Count to {i}:", "max_tokens": 48,
+                                "ignore_eos": True, "stream": True}) as response:
+            assert response.status_code == 200
+            for _ in response.iter_lines():
+                pass
+
+    with ThreadPoolExecutor(seats) as pool:
+        holders = [pool.submit(hold_a_seat, i) for i in range(seats)]
+        deadline = time.monotonic() + 60
+        while decode.active < seats:
+            assert time.monotonic() < deadline and not any(h.done() for h in holders)
+            time.sleep(0.01)
+        stream = client.completions.create(model=DEFAULT_MODEL, prompt="Once upon a time", max_tokens=120,
+                                           stream=True, extra_body={"ignore_eos": True})
+        assert service.queued == 1  # assigned while every seat was taken
+        chunks = iter(stream)
+        for _ in range(4):  # the prefill's token, then decode steps: its engine runs it
+            next(chunks)
+        assert service.queued == 0
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert "oasiskv_queue_length 0.0" in metrics
+        rest = list(chunks)
+        assert rest and rest[-1].choices[0].finish_reason == "length"
+        for holder in holders:
+            holder.result()
+    assert service.queued == 0 and decode.active == 0 and decode.load == 0
+
+
 def test_a_prefill_worker_busy_with_queued_prefills_still_answers_its_health_poll(server, smollm2_llm):
     """The health poll runs in its own concurrency group: behind eight prefill threads and a
     queue it used to time out, and the router refused every request (503) while the worker

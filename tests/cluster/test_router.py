@@ -41,6 +41,21 @@ def test_full_pools_queue_then_refuse_with_retry_after():
     assert router.queued == 0
 
 
+def test_a_queued_request_leaves_the_queue_once_its_engine_admits_it():
+    router = _router(max_queued=1)
+    router.assign("a", 1, 10, 1)
+    router.assign("b", 1, 10, 1)
+    queued = router.assign("c", 1, 10, 1)
+    with pytest.raises(Overloaded):
+        router.assign("d", 1, 10, 1)
+    router.admitted(queued)  # its first decode output came
+    router.admitted(queued)  # idempotent
+    assert not queued.queued and router.queued == 0
+    assert router.assign("d", 1, 10, 1).queued  # the queue has room again
+    router.release(queued)
+    assert router.queued == 1
+
+
 def test_a_worker_running_max_num_seqs_requests_queues_the_next_as_a_full_pool_does():
     decode = [WorkerSlot("d0", object(), capacity=100, seats=2)]
     router = Router([WorkerSlot("p0", object())], decode, [WorkerSlot("s0", object(), capacity=1000)],
