@@ -52,7 +52,9 @@ class DevicePool:
         row_bytes = layout.num_layers * layout.num_kv_heads * layout.unit_bytes
         self.num_rows = pool_bytes // row_bytes
         if self.num_rows < 1:
-            raise ValueError(f"kv pool of {pool_bytes} bytes holds no row ({row_bytes} bytes each)")
+            raise ValueError(f"kv_pool_gb: a KV pool of {pool_bytes} bytes holds no row of this model's KV "
+                             f"({row_bytes} bytes each: one block of every layer and KV head); give it at least "
+                             f"{row_bytes / 2**30:.3g}")
         self.row_bytes = row_bytes
         shape = (self.num_rows, layout.num_layers, layout.num_kv_heads, 2, layout.block_size, layout.head_dim)
         self.tensor = torch.zeros(shape, dtype=layout.dtype, device=device)

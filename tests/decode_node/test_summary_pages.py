@@ -30,6 +30,14 @@ def _pool(kv_dtype=torch.bfloat16, summary_dtype=torch.bfloat16, rows=8, device=
     return DevicePool(layout, rows * row_bytes, device, summary_dtype)
 
 
+def test_a_pool_too_small_for_one_row_names_kv_pool_gb():
+    layout = KVLayout(LAYERS, HEADS, DIM, 16, torch.bfloat16)
+    row_bytes = LAYERS * HEADS * layout.unit_bytes
+    DevicePool(layout, row_bytes)  # one row: enough to start
+    with pytest.raises(ValueError, match=rf"kv_pool_gb: .* holds no row .*\({row_bytes} bytes each"):
+        DevicePool(layout, row_bytes - 1)
+
+
 def _summaries(blocks: int, seed: int = 0) -> torch.Tensor:
     keys = torch.randn(LAYERS, blocks * 16, HEADS, DIM, generator=torch.Generator().manual_seed(seed))
     return summarize_request(keys)  # [layers, heads, blocks, 2, d] float32
