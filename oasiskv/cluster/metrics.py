@@ -87,7 +87,9 @@ class _PolledCollector:
                 value = stats.get(key)
                 family.add_metric([worker], float(value) if value is not None else 0.0)
             yield family
-        rate = GaugeMetricFamily("oasiskv_nixl_bytes_per_second", "KV bytes/s fetched by each decode worker", labels=["worker"])
+        rate = GaugeMetricFamily("oasiskv_nixl_bytes_per_second",
+                                 "bytes/s each decode worker reads from the stores (admission, key summaries, "
+                                 "fetches while decoding)", labels=["worker"])
         for worker, value in m.nixl_rate.items():
             rate.add_metric([worker], value)
         yield rate

@@ -110,12 +110,15 @@ class Router:
         a.prefill.active -= 1
         a.prompt_tokens = 0
 
-    def admitted(self, a: Assignment) -> None:
+    def admitted(self, a: Assignment) -> bool:
         """A queued request's decode engine took it in (its first decode output came): it waits no
-        more, so it leaves the queue's count and limit. It stayed counted until it ended."""
-        if a.queued and not a.released:
-            a.queued = False
-            self.queued -= 1
+        more, so it leaves the queue's count and limit (it stayed counted until it ended). True
+        when it was queued until now."""
+        if not a.queued or a.released:
+            return False
+        a.queued = False
+        self.queued -= 1
+        return True
 
     def release(self, a: Assignment) -> None:
         if a.released:

@@ -107,9 +107,14 @@ class ClusterService:
                       and not stats.get("closed")):
                     self._restart(slot, "decode", stats.get("error") or "its decode loop has stopped")
                 m.worker_stats[slot.name] = stats
-                now, total = time.monotonic(), float(stats.get("bytes_fetched") or 0)
+                # Every read from the stores: dense moves all of its KV at admission.
+                now = time.monotonic()
+                total = float(sum(stats.get(key) or 0 for key in
+                                  ("bytes_fetched", "admission_bytes_fetched", "summary_bytes_fetched")))
                 if slot.name in self._last_bytes:
                     then, before = self._last_bytes[slot.name]
+                    if total < before:  # the worker restarted: its counters began again at 0
+                        before = 0.0
                     m.nixl_rate[slot.name] = (total - before) / max(1e-6, now - then)
                 self._last_bytes[slot.name] = (now, total)
             m.health[("decode", slot.name)] = slot.healthy
@@ -240,7 +245,11 @@ class ClusterService:
         except (asyncio.CancelledError, GeneratorExit, ShuttingDown):  # the client hung up, or the server stops
             m.requests.labels(status="abort").inc()
             raise
-        m.running.inc()
+        # Running: being prefilled or decoded. A queued request (every pool or seat was full)
+        # joins it when its decode engine takes it in; it was counted as running and queued at once.
+        running = not assignment.queued
+        if running:
+            m.running.inc()
         m.prompt_tokens.inc(len(prompt_ids))
         status = "error"
         decode_started = prefilled = False
@@ -279,7 +288,9 @@ class ClusterService:
                 except StopAsyncIteration:
                     break
                 out = await deadline.wait(_await(ref))
-                self.router.admitted(assignment)
+                if self.router.admitted(assignment):
+                    running = True
+                    m.running.inc()
                 now = time.perf_counter()
                 sent_tokens = token_count
                 logprobs += out.get("logprobs") or []
@@ -323,12 +334,15 @@ class ClusterService:
             if status != "success":
                 await self._cancel(assignment, prefill_ref, prefilled, decode_started and not worker_failed)
             self._release(assignment)
-            m.running.dec()
+            if running:
+                m.running.dec()
             m.requests.labels(status=status).inc()
+            # Every token that reached the service counts, whatever the end: a bytes-per-token
+            # panel divides the workers' bytes (every request's) by this.
+            m.generation_tokens.inc(token_count)
             end = time.perf_counter()
             if status == "success":
                 m.e2e.observe(end - started)
-                m.generation_tokens.inc(token_count)
                 if token_count > 1 and first_token_time is not None:
                     m.tpot.observe((end - first_token_time) / (token_count - 1))
 

@@ -457,16 +457,28 @@ def _wait_until_freed(server, deadline_s: float = 30.0):
 
 
 def test_client_disconnect_frees_the_request_everywhere(server):
+    """...and the tokens it was sent count as generated (only a success's counted, so a
+    bytes-per-generated-token panel overstated when clients hung up)."""
+    registry = server.service.metrics.registry
+    generated_before = registry.get_sample_value("oasiskv_generation_tokens_total")
     body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True,
             "ignore_eos": True, "temperature": 0}
+    received = 0
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data:"):
-                break  # hang up after the first chunk
+                received += 1
+                if received == 3:
+                    break  # hang up after the third chunk
     stats, store_stats = _wait_until_freed(server)
     assert stats["running"] == 0 and stats["pool_rows_used"] == 0
     assert store_stats["num_requests"] == 0
+    deadline = time.monotonic() + 10  # counted when the service's side of the request ends
+    while registry.get_sample_value("oasiskv_generation_tokens_total") == generated_before:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert 3 <= registry.get_sample_value("oasiskv_generation_tokens_total") - generated_before < 400
 
 
 @pytest.mark.parametrize("hang_up_after_s", [0.05, 1.5], ids=["during-prefill", "during-decode"])
@@ -613,17 +625,21 @@ def test_a_queued_request_counts_as_queued_only_until_it_decodes(server, client)
         stream = client.completions.create(model=DEFAULT_MODEL, prompt="Once upon a time", max_tokens=120,
                                            stream=True, extra_body={"ignore_eos": True})
         assert service.queued == 1  # assigned while every seat was taken
+        running = service.metrics.running
+        assert running._value.get() == seats  # queued, not also running
         chunks = iter(stream)
         for _ in range(4):  # the prefill's token, then decode steps: its engine runs it
             next(chunks)
         assert service.queued == 0
         metrics = httpx.get(f"{server.url}/metrics").text
         assert "oasiskv_queue_length 0.0" in metrics
+        assert f"oasiskv_running_requests {running._value.get()}" in metrics and running._value.get() >= 1
         rest = list(chunks)
         assert rest and rest[-1].choices[0].finish_reason == "length"
         for holder in holders:
             holder.result()
     assert service.queued == 0 and decode.active == 0 and decode.load == 0
+    assert service.metrics.running._value.get() == 0
 
 
 def test_a_prefill_worker_busy_with_queued_prefills_still_answers_its_health_poll(server, smollm2_llm):

@@ -6,6 +6,7 @@ its engine is broken is restarted, once per breakage."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from oasiskv.cluster.config import ServeConfig
 from oasiskv.cluster.launcher import HEALTH_GROUP, ClusterHandles
@@ -126,3 +127,25 @@ def test_a_decode_worker_shut_down_on_purpose_is_not_restarted():
     decode.handle.stats.answer = {"healthy": False, "error": None, "closed": True}
     poll(service)
     assert service.restarted == [] and not decode.healthy
+
+
+def test_the_nixl_rate_counts_every_store_read_and_survives_a_restarted_worker():
+    """Dense reads all of its KV at admission: the rate counted only reads while decoding, so a
+    dense cluster showed 0 B/s. A restarted worker's counters begin again at 0: the rate was
+    negative for a poll."""
+    service, _, decode, _ = make_service()
+    stats = decode.handle.stats
+
+    def poll_reading(decoding, admission, summaries):
+        stats.answer = {"healthy": True, "bytes_fetched": decoding, "admission_bytes_fetched": admission,
+                        "summary_bytes_fetched": summaries}
+        started = time.monotonic()
+        poll(service)
+        return started, time.monotonic()
+
+    first_poll, _ = poll_reading(0, 0, 0)
+    _, second_poll = poll_reading(1, 10**9, 10**6)
+    # At least what was read over the longest time the two polls could have been apart.
+    assert service.metrics.nixl_rate["decode-0"] >= (1 + 10**9 + 10**6) / (second_poll - first_poll)
+    _, third_poll = poll_reading(0, 600, 0)  # restarted, then read 600 bytes
+    assert service.metrics.nixl_rate["decode-0"] >= 600 / (third_poll - first_poll)

@@ -43,6 +43,7 @@ def loaded_server(tmp_path_factory):
         )
         assert result.returncode == 0, result.stdout + result.stderr
         record = json.loads((work / "run.json").read_text())
+        after_the_tool = _families(server)
         process, base = start_prometheus(server.url.removeprefix("http://"), work)
         try:
             # More load while Prometheus scrapes, so rate() windows see traffic: long prompts
@@ -68,10 +69,16 @@ def loaded_server(tmp_path_factory):
                     pass
                 assert time.monotonic() < deadline, "Prometheus did not scrape the server"
                 time.sleep(0.5)
-            yield server, record, base
+            yield server, record, base, after_the_tool
         finally:
             process.terminate()
             process.wait(timeout=10)
+
+
+def _families(server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line.startswith("oasiskv_") and " " in line}
 
 
 def _value(base: str, expr: str) -> float:
@@ -80,24 +87,25 @@ def _value(base: str, expr: str) -> float:
 
 
 def test_load_tool_counts_equal_the_server_metrics(loaded_server):
-    server, record, base = loaded_server
+    server, record, base, after_the_tool = loaded_server
     summary = record.get("summary", record)
     assert summary["completed"] == NUM_PROMPTS and summary["failed"] == 0
-    text = httpx.get(f"{server.url}/metrics").text
-    families = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
-                if line.startswith("oasiskv_") and " " in line}
+    assert after_the_tool['oasiskv_requests_total{status="success"}'] == NUM_PROMPTS
+    assert after_the_tool["oasiskv_generation_tokens_total"] == summary["total_output_tokens"]
+    families = _families(server)
     success = families['oasiskv_requests_total{status="success"}']
     generated = families["oasiskv_generation_tokens_total"]
-    # Every request the tool sent succeeded on the server (plus the scrape-time requests of 4 tokens).
+    # Then the scrape-time requests of 4 tokens, and one client that hung up after its first
+    # chunk: the tokens it was sent count too.
     extra = success - NUM_PROMPTS
     assert extra >= 1
     assert families['oasiskv_requests_total{status="abort"}'] == 1
-    assert generated == summary["total_output_tokens"] + 4 * extra
+    assert 1 <= generated - summary["total_output_tokens"] - 4 * extra < 300
     assert _value(base, 'oasiskv_requests_total{status="success"}') >= NUM_PROMPTS
 
 
 def test_every_grafana_panel_query_returns_data(loaded_server):
-    _, _, base = loaded_server
+    _, _, base, _ = loaded_server
     time.sleep(3)  # the last stats poll and scrape
     failures = []
     for query in pq.load_queries():
