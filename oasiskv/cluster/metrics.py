@@ -78,14 +78,18 @@ class _PolledCollector:
             "oasiskv_decode_kv_pool_usage_ratio": ("device KV pool rows in use / rows", "pool_usage"),
             "oasiskv_decode_kv_pool_quarantined_ratio": ("device KV pool rows held for transfers that have not ended "
                                                          "(a store that does not answer) / rows", "pool_quarantined"),
-            "oasiskv_prediction_recall": ("share of the current query's top-K blocks that were resident", "prediction_recall"),
-            "oasiskv_draft_acceptance_rate": ("accepted / proposed draft tokens", "acceptance_rate"),
+            "oasiskv_prediction_recall": ("share of the current query's top-K blocks that were resident, since the "
+                                          "worker started", "prediction_recall"),
+            "oasiskv_draft_acceptance_rate": ("accepted / proposed draft tokens, since the worker started",
+                                              "acceptance_rate"),
         }
         for name, (doc, key) in gauges.items():
             family = GaugeMetricFamily(name, doc, labels=["worker"])
             for worker, stats in m.worker_stats.items():
-                value = stats.get(key)
-                family.add_metric([worker], float(value) if value is not None else 0.0)
+                # A ratio of nothing yet (no sparse step, no draft) is left out: a panel shows no
+                # data, where 0 read as a recall or an acceptance of 0%.
+                if stats.get(key) is not None:
+                    family.add_metric([worker], float(stats[key]))
             yield family
         rate = GaugeMetricFamily("oasiskv_nixl_bytes_per_second",
                                  "bytes/s each decode worker reads from the stores (admission, key summaries, "

@@ -105,7 +105,8 @@ def test_the_api_exposes_every_name_the_dashboards_and_rules_use():
         histogram.observe(0.1)
     metrics.prompt_tokens.inc(10)
     metrics.generation_tokens.inc(5)
-    metrics.worker_stats["decode-0"] = {}
+    metrics.worker_stats["decode-0"] = {"prediction_recall": 0.7, "acceptance_rate": 0.3, "pool_usage": 0.1,
+                                        "pool_quarantined": 0.0}
     metrics.store_stats["store-0"] = {"used_bytes": 1, "capacity_bytes": 2}
     metrics.health[("decode", "decode-0")] = True
     metrics.nixl_rate["decode-0"] = 1.0
@@ -118,6 +119,20 @@ def test_the_api_exposes_every_name_the_dashboards_and_rules_use():
         for rule in group["rules"]:
             used |= {n for n in pq.metric_names(rule["expr"]) if n.startswith("oasiskv_")}
     assert used - exposed == set()
+
+
+def test_a_ratio_of_nothing_yet_is_left_out_not_shown_as_zero():
+    """A dense-only cluster has no recall and a worker without drafts no acceptance: the panels
+    read 0% from a 0 that stood for "none"."""
+    metrics_module = pytest.importorskip("oasiskv.cluster.metrics")
+    from prometheus_client import generate_latest
+
+    metrics = metrics_module.ServingMetrics()
+    metrics.worker_stats["decode-0"] = {"prediction_recall": None, "acceptance_rate": 0.0, "pool_usage": 0.0}
+    exposition = generate_latest(metrics.registry).decode()
+    assert 'oasiskv_prediction_recall{worker="decode-0"}' not in exposition
+    assert 'oasiskv_draft_acceptance_rate{worker="decode-0"} 0.0' in exposition  # a real 0 stays
+    assert 'oasiskv_decode_kv_pool_usage_ratio{worker="decode-0"} 0.0' in exposition
 
 
 def test_every_contract_metric_is_on_a_dashboard():
