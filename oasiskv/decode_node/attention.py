@@ -150,10 +150,15 @@ class SparseAttention:
         budget = ws.budget_slice
         recency = ws.last_selected[:, :, budget].clone()
         recency[ws.blocks[:, :, budget] == EMPTY] = -1
-        recency[ws.in_flight[:, :, budget]] = torch.iinfo(torch.long).max  # never overwrite a landing fetch
+        in_flight = ws.in_flight[:, :, budget]
+        recency[in_flight] = torch.iinfo(torch.long).max  # never overwrite a landing fetch
         target = budget.start + recency.argmin(dim=-1)  # [layers, kv_heads]
         layers = torch.arange(ws.num_layers)[:, None].expand_as(target)
         heads = torch.arange(ws.num_kv_heads)[None, :].expand_as(target)
+        # Where every budget row awaits a fetch the block is let go (the store has it): argmin
+        # picked a landing row there, and the read then overwrote the copy under the block's label.
+        room = ~in_flight.all(dim=-1)
+        layers, heads, target = layers[room], heads[room], target[room]
         source_units = self.pool.unit_ids(ws.rows[ring_index], layers, heads)
         target_units = self.pool.unit_ids(ws.rows[target], layers, heads)
         self.pool.units[target_units.reshape(-1)] = self.pool.units[source_units.reshape(-1)]

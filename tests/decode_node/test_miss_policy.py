@@ -11,6 +11,7 @@ import pytest
 from bench.common import DelayedReads
 from oasiskv.decode_node import io_thread
 from oasiskv.decode_node.config import DecodeConfig
+from oasiskv.models.sampling import SamplingParams
 
 from .conftest import GREEDY, run_engine
 
@@ -56,6 +57,21 @@ def test_wait_blocks_for_late_prefetches_and_decodes_as_if_they_were_on_time(smo
     assert late.prefetch_waits > 0 and late.fetch_wait_s > 0
     assert late.prefetch_misses == late.prefetch_waits
     assert late.prefetch_skips == 0
+
+
+def test_a_block_leaving_the_window_never_lands_in_a_row_whose_fetch_is_still_landing(smollm2_llm, store, prompts):
+    """Two budget rows a head, every one of them replaced at each step: with late reads all of a
+    head's budget rows are in flight when a block leaves the window. Its local copy went into
+    one of them anyway, the read then overwrote it under the retired block's label, and the
+    model attended to the wrong KV (22 of 80 tokens in, on a hunt's text)."""
+    config = dict(mode="lookahead", budget_tokens=32, kv_pool_gb=0.25, window_blocks=1, max_replace_fraction=1.0,
+                  prefetch_rank_fraction=1.0, miss_policy="wait")
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    _, reference = run_engine(smollm2_llm, store, prompts, DecodeConfig(**config), params=params, tag="-all-fast")
+    engine, tokens = run_engine(smollm2_llm, store, prompts, DecodeConfig(**config), params=params, tag="-all-slow",
+                                wrap_client=lambda client: DelayedReads(client, 0.02))
+    assert engine.counters.prefetch_waits > 0
+    assert tokens == reference
 
 
 def test_skip_attends_without_late_prefetches_and_never_blocks_on_one(smollm2_llm, store, prompts, blocking_waits):
