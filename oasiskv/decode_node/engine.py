@@ -483,6 +483,11 @@ class DecodeEngine:
         )
         req.write_backs.append(WriteBack(handle, set(rows.tolist())))
         self.counters.blocks_written_back += len(done)
+        if not req.plan.budget:
+            # No budget rows (every block a sink): nothing is ever ranked, and its summaries were
+            # never read, so there are none for these to follow (writing them raised, and the
+            # failed step ended every request of the worker).
+            return
         keys = self.pool.units[units][:, :, :, 0]  # [blocks, layers, heads, bs, d]
         summaries = summarize_keys(keys, kind=req.summary_kind).permute(1, 2, 0, 3, 4)  # [layers, heads, blocks, 2, d]
         req.summaries.write(done.start, summaries)  # rewrites a block the prefill wrote partly filled

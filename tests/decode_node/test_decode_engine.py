@@ -39,6 +39,21 @@ def test_full_budget_matches_the_single_process_engine(smollm2_llm, store, promp
     assert store.stats().num_requests == 0
 
 
+@pytest.mark.parametrize("mode", ["sparse-current", "lookahead"])
+def test_a_request_whose_every_block_is_a_sink_decodes_as_dense(smollm2_llm, store, prompts, mode):
+    """Four sinks hold a 20-token prompt and its 24 tokens: no budget rows, so no summaries were
+    read, and the first write-back's summaries raised; the failed step ended every request of
+    the worker."""
+    short = [p[:20] for p in prompts]
+    dense = DecodeConfig(mode="dense", kv_pool_gb=0.25)
+    _, expected = run_engine(smollm2_llm, store, short, dense, tag="-sinks-dense")
+    engine, tokens = run_engine(smollm2_llm, store, short, dense.model_copy(update={"mode": mode, "sink_blocks": 4}),
+                                tag=f"-sinks-{mode}")
+    assert tokens == expected
+    assert engine.counters.blocks_written_back >= 2
+    assert engine.pool.allocator.num_free == engine.pool.num_rows and store.stats().num_requests == 0
+
+
 def test_plain_decoding_with_k_zero(smollm2_llm, store, prompts, reference):
     engine, tokens = run_engine(smollm2_llm, store, prompts, DecodeConfig(num_draft_tokens=0, kv_pool_gb=0.25), tag="-k0")
     assert tokens == reference
