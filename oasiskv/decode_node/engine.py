@@ -226,15 +226,20 @@ class DecodeEngine:
                              "prefill and decode must run the same model, dtype and block size")
 
     def _admit_waiting(self) -> list[DecodeOutput]:
-        """Start the admission of the queued requests that fit, in order."""
+        """End the queued requests that ended at their first token, wherever they wait (they need
+        no seat and no rows: behind a full engine they waited for a seat), then start the
+        admission of the queued requests that fit, in order."""
         finished = []
+        if any(req.finish_reason for req in self.waiting):
+            still_waiting = [req for req in self.waiting if not req.finish_reason]
+            for req in self.waiting:
+                if req.finish_reason:
+                    self._free_in_store(req.request_id)
+                    finished.append(DecodeOutput(req.request_id, [], req.output_ids, req.text, True, req.finish_reason))
+            self.waiting.clear()
+            self.waiting.extend(still_waiting)
         while self.waiting and len(self.running) + len(self.admitting) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if req.finish_reason:
-                self.waiting.popleft()
-                self._free_in_store(req.request_id)
-                finished.append(DecodeOutput(req.request_id, [], req.output_ids, req.text, True, req.finish_reason))
-                continue
             if req.plan.total > self.pool.allocator.num_free:
                 break
             self.waiting.popleft()

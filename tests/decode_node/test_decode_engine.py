@@ -54,6 +54,33 @@ def test_a_request_whose_every_block_is_a_sink_decodes_as_dense(smollm2_llm, sto
     assert engine.pool.allocator.num_free == engine.pool.num_rows and store.stats().num_requests == 0
 
 
+def test_a_request_ended_by_its_first_token_does_not_wait_for_a_seat(smollm2_llm, store, prompts):
+    """max_tokens=1 (or a first token that stops) needs no decoding, seat or rows: it waited
+    behind the running request for the only seat, holding its store memory meanwhile."""
+    config = DecodeConfig(kv_pool_gb=0.25, max_num_seqs=1)
+    client = connect(store)
+    prefiller = Prefiller(smollm2_llm.model, client)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config)
+
+    def prefilled(request_id, prompt, params):
+        return prefiller.prefill(request_id, prompt, params, budget_blocks=config.budget_blocks,
+                                 excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks)
+
+    long, one = SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=1)
+    engine.add(prefilled("seat-taken", prompts[0], long), long)
+    while not engine.running:
+        engine.step()
+    engine.add(prefilled("one-token", prompts[1][:50], one), one)
+    ended = {o.request_id: o for o in engine.step() if o.finished}
+    assert ended["one-token"].finish_reason == "length" and len(ended["one-token"].token_ids) == 1
+    assert "seat-taken" not in ended and engine.running
+    assert store.stats().num_requests == 1  # the one-token request's KV is freed already
+    engine.abort("seat-taken")
+    engine.settle(5)
+    engine.close()
+    assert store.stats().num_requests == 0
+
+
 def test_plain_decoding_with_k_zero(smollm2_llm, store, prompts, reference):
     engine, tokens = run_engine(smollm2_llm, store, prompts, DecodeConfig(num_draft_tokens=0, kv_pool_gb=0.25), tag="-k0")
     assert tokens == reference
