@@ -23,6 +23,7 @@ import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, KVStoreError, StoreTimeout, ranking_radius_weight, summarize_keys
 from ..kvstore.summary import summary_read_dtype
+from ..models.attention import first_visible_block
 from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
 from ..models.engine.stopping import OutputText, finish_reason, request_eos_ids, visible_text
@@ -287,10 +288,15 @@ class DecodeEngine:
         if plan.budget and req.initial_selection.numel():
             window_start = ws.window_blocks(tail).start
             wanted_by_layer = []
+            windows = self.model.config.sliding_window
             for layer in range(layout.num_layers):
-                # Keep the prediction's candidates that are not resident anyway (sinks, window);
-                # heads may keep different numbers, so all are cut to the shortest.
-                per_head = [w[(w >= plan.sinks) & (w < window_start)][: plan.budget] for w in req.initial_selection[layer]]
+                # Keep the prediction's candidates that are not resident anyway (sinks, window)
+                # and that the layer may see (a sliding window's first query is at num_kv); heads
+                # may keep different numbers, so all are cut to the shortest.
+                first = plan.sinks
+                if windows[layer] is not None:
+                    first = max(first, first_visible_block(req.num_kv, windows[layer], layout.block_size))
+                per_head = [w[(w >= first) & (w < window_start)][: plan.budget] for w in req.initial_selection[layer]]
                 width = min(len(w) for w in per_head)
                 wanted_by_layer.append(torch.stack([w[:width] for w in per_head]))
             fetches = plan_replacements_many(0, [PlanRequest(ws, layer, wanted, None)

@@ -23,6 +23,12 @@ PAD_POSITION = 1 << 40
 FEW_QUERY_ROWS = 16
 
 
+def first_visible_block(query_position: int, window: int, block_size: int) -> int:
+    """The first block with a key that a sliding-window layer's query at `query_position` may
+    see (`position_mask`: keys less than `window` positions back)."""
+    return max(0, query_position - window + 1) // block_size
+
+
 def position_mask(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None) -> torch.Tensor:
     """query_positions [B, Tq]; key_positions [B, L] or [B, kv_heads, L] -> bool
     [B, 1|kv_heads, Tq, L]: causal, and within `window` for sliding layers."""

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, pack_layer, rank_blocks, ranking_radius_weight, summarize_layer
-from ..models.attention import AttentionBatch, PagedAttention
+from ..models.attention import AttentionBatch, PagedAttention, first_visible_block
 from ..models.engine.stopping import request_eos_ids
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
 from ..models.sampling import (
@@ -125,6 +125,12 @@ class Prefiller:
                 summaries = summarize_layer(keys, layout.block_size, layout.summary_kind)  # as the store keeps them
                 scores = rank_blocks(last_query, summaries[:, candidates.start : candidates.stop], config.softmax_scale,
                                      ranking_radius_weight(layout.summary_kind))
+                window = config.sliding_window[layer]
+                if window is not None:
+                    # Blocks this sliding layer's first decode query (at num_tokens) cannot see rank
+                    # last; the decode node drops them from the selection.
+                    hidden = first_visible_block(num_tokens, window, layout.block_size) - candidates.start
+                    scores[:, : max(0, hidden)] = float("-inf")
                 selection[layer] = torch.topk(scores, top_k, dim=-1).indices + candidates.start
 
         backend = _CapturingAttention(cache, config.sliding_window, config.softmax_scale, ship_layer)
