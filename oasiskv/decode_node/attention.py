@@ -185,9 +185,9 @@ class SparseAttention:
         sparse = [i for i, r in enumerate(self.requests) if r.mode != "dense" and r.ws.plan.budget]
         if (self.step_index - 1) % self.recall_sample_steps == 0:  # the first step is always sampled
             for i in sparse:
-                ws = self.requests[i].ws
-                self._deferred_recall.append(
-                    (layer, self.requests[i], current[i].clone(), ws.blocks[layer, :, ws.budget_slice].clone()))
+                # A row still landing (miss policy "skip") is masked: it was counted as found.
+                attended = self.requests[i].ws.attended_budget_blocks(layer)
+                self._deferred_recall.append((layer, self.requests[i], current[i].clone(), attended))
         on_demand = [i for i in sparse if self.requests[i].mode == "sparse-current"]
         self._select_and_fetch([(layer, [(self.requests[i], current[i]) for i in on_demand])], wait=True)
         if self.topup_blocks:

@@ -179,6 +179,14 @@ class WorkingSet:
         first = max(self.plan.sinks, tail_block - (self.plan.ring - 1) + 1)
         return range(first, tail_block + 1)
 
+    def attended_budget_blocks(self, layer: int) -> torch.Tensor:
+        """[kv_heads, budget rows] a copy of the blocks `layer`'s budget rows show attention now:
+        EMPTY where none, or where a fetch is still landing (masked, as in `key_positions`)."""
+        budget = self.budget_slice
+        blocks = self.blocks[layer, :, budget].clone()
+        blocks[self.in_flight[layer, :, budget]] = EMPTY
+        return blocks
+
     def key_positions(self, layer: int) -> torch.Tensor:
         """[kv_heads, R * block_size] position of every key slot (padding for empty or in-flight rows)."""
         blocks = self.blocks[layer]

@@ -13,6 +13,7 @@ from oasiskv.decode_node.lookahead import (
     PlanRequest,
     plan_replacements,
     plan_replacements_many,
+    recall,
     replacement_cap,
 )
 from oasiskv.decode_node.working_set import EMPTY, RowPlan, WorkingSet
@@ -190,3 +191,17 @@ def test_replacement_cap_is_a_rate_with_the_fraction_carried_over():
     assert [replacement_cap(ws, 1, 6.4) for _ in range(5)] == [6, 6, 7, 6, 7]  # layers keep their own credit
     total = sum(replacement_cap(ws, 0, 1.28) for _ in range(100))
     assert total in (127, 128)
+
+
+def test_a_budget_row_still_landing_is_not_counted_as_attended():
+    """Under the miss policy 'skip' a layer attends without its landing rows (they are masked);
+    the recall counter counted their blocks as found."""
+    plan = RowPlan(sinks=1, ring=2, budget=3)
+    ws = WorkingSet("r", torch.arange(plan.total), plan, 1, 2, 16)
+    budget = ws.budget_slice
+    ws.blocks[0, :, budget] = torch.tensor([[5, 6, 7], [8, 9, EMPTY]])
+    ws.in_flight[0, 0, budget.start + 1] = True
+    attended = ws.attended_budget_blocks(0)
+    assert attended.tolist() == [[5, EMPTY, 7], [8, 9, EMPTY]]
+    assert recall(attended, torch.tensor([[6, 7], [8, 9]])) == 0.75
+    assert int(ws.blocks[0, 0, budget.start + 1]) == 6  # the working set is left as it was
