@@ -8,8 +8,10 @@ import logging
 import threading
 import time
 
+import torch
 import uvicorn
 
+from ..kvstore import KVLayout
 from ..models.config import ModelConfig
 from ..models.pull import resolve_model
 from ..models.tokenizer import load_tokenizer
@@ -47,12 +49,18 @@ def build_service(config: ServeConfig) -> ClusterService:
         resolve_model(config.decode.drafter)  # a draft model that does not exist is named before Ray starts
     check_local_gpus(config)
     model_config = ModelConfig.from_dir(model_dir)
-    per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * config.kv_itemsize
-    # Key summaries: min and max in fp32 per block, layer and KV head.
-    per_token += 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim * 4 // config.decode.block_size
     handles = launch(config)
-    return ClusterService(config, handles, load_tokenizer(model_dir), per_token, model_config.max_position_embeddings,
-                          eos_token_ids=model_config.eos_token_ids)
+    return ClusterService(config, handles, load_tokenizer(model_dir), store_bytes_per_token(config, model_config),
+                          model_config.max_position_embeddings, eos_token_ids=model_config.eos_token_ids)
+
+
+def store_bytes_per_token(config: ServeConfig, model_config: ModelConfig) -> int:
+    """A store's bytes per token of a request: its block's KV and fp32 key summaries, padded
+    as the store pads them (`KVLayout.chunk_bytes`), over the block's tokens. Without the
+    padding a store filled to its reservations refused a long request's last write-back."""
+    layout = KVLayout(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                      config.decode.block_size, torch.float32 if config.kv_itemsize == 4 else torch.bfloat16)
+    return -(-layout.chunk_bytes // layout.block_size)
 
 
 def make_app(service: ClusterService, shutdown_cluster: bool = True):

@@ -226,12 +226,17 @@ class ClusterService:
         return plan_rows(self.config.decode, prompt_tokens, max_tokens, mode, budget,
                          kv_itemsize=self.config.kv_itemsize).total
 
+    def store_bytes_needed(self, prompt_tokens: int, max_tokens: int) -> int:
+        """What a request may take in its store: its KV grows to prompt + max_tokens tokens (one
+        block of slack covers the last block's rounding)."""
+        return (prompt_tokens + max_tokens + self.config.decode.block_size) * self.kv_bytes_per_token
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        mode: str | None = None, budget_tokens: int | None = None) -> AsyncIterator[Event]:
         """Raises Overloaded / TooLarge before anything is started; then yields Events."""
         c = self.config.decode
         rows = self.rows_needed(len(prompt_ids), params.max_tokens, mode, budget_tokens)
-        store_bytes = (len(prompt_ids) + params.max_tokens + c.block_size) * self.kv_bytes_per_token
+        store_bytes = self.store_bytes_needed(len(prompt_ids), params.max_tokens)
         # A deadline checked at every await, not asyncio.timeout(): that binds to the task that
         # enters it, and later events are pulled by other tasks (the response's, a hang-up watch).
         deadline = _Deadline(self.config.request_timeout_s, self._stop_signal())

@@ -130,3 +130,30 @@ def test_a_request_larger_than_any_store_is_refused_at_once():
         assert service.queued == 0
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("prompt_tokens, max_tokens", [(7, 1008), (1000, 1049), (1, 1), (16, 16), (4000, 81)])
+def test_a_reservation_covers_what_the_store_takes_for_the_whole_request(smollm2_dir, dtype, prompt_tokens, max_tokens):
+    """The reservation left out the store's padding of each block to 4 KiB: 7 + 1008 tokens in
+    bf16 were 15 KB short, and a store filled to its reservations refused the request's last
+    write-back (a 503 after 30 s of decoding)."""
+    import torch
+
+    from oasiskv.cluster.server import store_bytes_per_token
+    from oasiskv.kvstore import KVLayout, KVStore
+    from oasiskv.models.config import ModelConfig
+
+    config = ServeConfig(dtype=dtype)
+    model_config = ModelConfig.from_dir(smollm2_dir)
+    handles = ClusterHandles([WorkerSlot("prefill-0", object())], [WorkerSlot("decode-0", object(), capacity=1000)],
+                             [WorkerSlot("store-0", object(), capacity=1)])
+    service = ClusterService(config, handles, tokenizer=None,
+                             kv_bytes_per_token=store_bytes_per_token(config, model_config), max_model_len=8192)
+    reserved = service.store_bytes_needed(prompt_tokens, max_tokens)
+    store = KVStore(reserved)  # a store holding exactly the reservation
+    layout = KVLayout(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                      config.decode.block_size, getattr(torch, dtype))
+    store.allocate("r", layout, prompt_tokens)
+    store.extend("r", prompt_tokens + max_tokens)  # what the write-backs grow it to, at most
+    assert store.stats().used_bytes <= reserved
