@@ -51,6 +51,10 @@ log = logging.getLogger("oasiskv.decode")
 # rows in quarantine) before it returns. Admissions: requests that arrived together start as
 # one batch, and one store that does not answer holds the others up no longer than this.
 IDLE_WAIT_S = 0.2
+# How long a finish waits for its store free to be answered (a healthy store answers in about a
+# millisecond) before its final output goes out anyway: the most a store that does not answer
+# holds up the decode loop per finished request.
+FREE_ANSWER_WAIT_S = 0.5
 
 
 @dataclass
@@ -525,31 +529,23 @@ class DecodeEngine:
         return DecodeOutput(req.request_id, new, list(req.output_ids), req.text, reason is not None, reason,
                             logprobs=None if logprobs is None else logprobs[: len(new)])
 
-    def _finish(self, req: DecodeRequest, reason: str, wait_for_transfers: bool = True,
-                wait_for_free: bool = True) -> None:
-        """Take the request out: its drafter state, its rows (once no transfer can still land in
-        them) and its store memory. Not waiting is for a request whose store may not answer (it
-        failed the request, or the caller gave up on it): its rows wait in quarantine while a
-        transfer into them has not ended, and its free is queued behind its transfers."""
+    def _finish(self, req: DecodeRequest, reason: str, wait_for_free: bool = True) -> None:
+        """Take the request out: its drafter state, its store memory and its rows. The free is
+        queued on its store's I/O thread behind the request's transfers, and the rows go back
+        through quarantine while a transfer into them may still land, so the decode loop never
+        waits a store out. `wait_for_free`: give the free a moment to be answered (it normally
+        is, so the final output follows it); False for a request whose store may not answer.
+        A finish once waited for its transfers and its free for up to the fetch timeout: a
+        frozen store held up every request of the worker, on healthy stores too, each time one
+        of its requests ended."""
         req.finish_reason = reason
         self.drafter.release(req.request_id)
         for batch in (self.running, self.admitting):
             if req in batch:
                 batch.remove(req)
-        if req.ws is not None:
-            try:
-                for handle in self._transfers_of(req) if wait_for_transfers else ():
-                    try:
-                        handle.wait_due()  # each was issued before now: one timeout for them all
-                    except KVStoreError as error:
-                        # Its output is whole; raising here failed the step with the request
-                        # already out of the batch, so its stream never ended.
-                        log.warning("request %s: a transfer failed as it finished: %s", req.request_id, error)
-                        # A store that does not answer would hold up a free for the timeout again.
-                        wait_for_free = wait_for_free and not isinstance(error, StoreTimeout)
-            finally:
-                self._release_working_set(req)
         self._free_in_store(req.request_id, wait=wait_for_free)
+        if req.ws is not None:
+            self._release_working_set(req)
 
     @staticmethod
     def _transfers_of(req: DecodeRequest) -> list:
@@ -605,38 +601,37 @@ class DecodeEngine:
         error instead of a finish."""
         log.warning("request %s: %s: %s", req.request_id, what, error)
         req.failure = error
-        self._finish(req, "error", wait_for_transfers=False, wait_for_free=not isinstance(error, StoreTimeout))
+        self._finish(req, "error", wait_for_free=not isinstance(error, StoreTimeout))
         return DecodeOutput(req.request_id, [], list(req.output_ids), req.text, True, None,
                             error=f"{what}: {type(error).__name__}: {error}")
 
     def _free_in_store(self, request_id: str, wait: bool = True) -> None:
-        """Give a request's store memory back, as far as its store can be reached. A store that
-        died took the memory with it (Ray restarts it empty), and one that cannot be told now
-        must not keep the engine from giving back its own rows and going on: a free that raised
-        here failed the step, and every request in it, and left the worker broken. `wait`:
-        False to queue the free on its store's I/O thread (after the request's transfers) and go
-        on: the decode steps do not wait for a store that may not answer (`settle` does)."""
-        if not wait:
-            future = self.client.call_later("free", request_id)
-            self._queued_frees.add(future)
+        """Give a request's store memory back, as far as its store can be reached: queued on the
+        store's I/O thread (after the request's transfers). A store that died took the memory
+        with it (Ray restarts it empty), and one that does not answer must not keep the engine
+        from going on: a free that raised failed the step, and every request in it. `wait`:
+        wait up to FREE_ANSWER_WAIT_S for the answer, so that the caller's next word (a final
+        output, and the router's release of the request's store reservation after it) normally
+        follows the free; `settle` waits for the rest."""
+        future = self.client.call_later("free", request_id)
+        # The callback holds the set and the counters, not the engine: the store's I/O thread
+        # keeps its last job, and through it an engine (and its pool) that was otherwise gone.
+        queued, counters = self._queued_frees, self.counters
+        queued.add(future)
 
-            def answered(future: Future) -> None:
-                self._count_free(request_id, future.exception())
-                self._queued_frees.discard(future)
+        def answered(future: Future) -> None:
+            _count_free(counters, request_id, future.exception())
+            queued.discard(future)
 
-            future.add_done_callback(answered)
-            return
-        try:
-            self.client.free(request_id)
-        except KVStoreError as error:
-            self._count_free(request_id, error)
+        future.add_done_callback(answered)
+        if wait:
+            concurrent.futures.wait([future], timeout=FREE_ANSWER_WAIT_S)
 
-    def _count_free(self, request_id: str, error: BaseException | None) -> None:
-        if isinstance(error, KVStoreError):
-            self.counters.store_free_failures += 1
-            log.warning("request %s: its store memory was not freed: %s", request_id, error)
-        elif error is not None:
-            log.error("request %s: freeing its store memory raised %r", request_id, error)
+    def free_in_store(self, request_id: str) -> None:
+        """Free a request this engine never took (aborted before it came, or refused by `add`)
+        in its store: queued on the store's I/O thread, so a store that does not answer holds up
+        nothing else."""
+        self._free_in_store(request_id, wait=False)
 
     def abort(self, request_id: str) -> None:
         """End a request its caller gave up on, without waiting for its store: a caller often
@@ -649,7 +644,7 @@ class DecodeEngine:
                 return
         for req in (*self.admitting, *self.running):
             if req.request_id == request_id:
-                self._finish(req, "abort", wait_for_transfers=False, wait_for_free=False)
+                self._finish(req, "abort", wait_for_free=False)
                 return
 
     def abort_all(self) -> list[str]:
@@ -721,3 +716,11 @@ class DecodeEngine:
                     final[out.request_id] = out
         self.settle(self.config.fetch_timeout_s)
         return final
+
+
+def _count_free(counters: DecodeCounters, request_id: str, error: BaseException | None) -> None:
+    if isinstance(error, KVStoreError):
+        counters.store_free_failures += 1
+        log.warning("request %s: its store memory was not freed: %s", request_id, error)
+    elif error is not None:
+        log.error("request %s: freeing its store memory raised %r", request_id, error)

@@ -217,10 +217,12 @@ class DecodeWorker:
             self.engine.abort(request_id)
             self._deliver(request_id, self._abort_output(request_id))
             return
+        # The frees below are queued on the store's I/O thread: done here, on the decode loop,
+        # a store that does not answer held up every request of the worker for the timeout.
         if kind == "discard":
             try:
                 self.stores.bind(request_id, payload)
-                self.stores.free(request_id)
+                self.engine.free_in_store(request_id)
             except Exception as error:  # its store's TTL frees it in the end; the loop goes on
                 log.warning("freeing aborted request %s in its store: %s", request_id, error)
             return
@@ -229,7 +231,7 @@ class DecodeWorker:
             self.stores.bind(request_id, store_address)
             self.engine.add(prefill, params, mode=mode, budget_tokens=budget)
         except Exception as error:  # refuse this request only
-            self.stores.free(request_id)
+            self.engine.free_in_store(request_id)
             self._deliver(request_id, error)
 
     def _loop(self) -> None:

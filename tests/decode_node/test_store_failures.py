@@ -137,3 +137,43 @@ def test_an_abort_does_not_wait_for_a_store_that_stops_answering(smollm2_llm, st
     assert engine.pool.allocator.num_free == engine.pool.num_rows
     assert store.stats().num_requests == 0
     engine.close()
+
+
+def test_a_request_that_ends_does_not_wait_for_a_store_that_stops_answering(smollm2_llm, store, prompts):
+    """A dense request decodes on without its store once admitted, and ends while the store is
+    frozen: the step that ends it returns (its free is queued, waited for a moment only), and
+    the memory comes back once the store answers. Before, the decode loop waited out the fetch
+    timeout for the free, holding up every request of the worker, on healthy stores too."""
+    import threading
+
+    config = DecodeConfig(mode="dense", fetch_timeout_s=60)
+    client = connect(store)
+    frozen = _StopsAnswering(client)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, frozen, config)
+    result = Prefiller(smollm2_llm.model, client).prefill(
+        "ends", prompts[0], GREEDY, budget_blocks=config.budget_blocks, excluded_head_blocks=config.sink_blocks,
+        excluded_tail_blocks=config.window_blocks)
+    engine.add(result, GREEDY)
+    while not engine.running:
+        engine.step()
+    frozen.stop()
+    finished = []
+
+    def decode_to_the_end():
+        while engine.has_unfinished:
+            finished.extend(out for out in engine.step() if out.finished)
+
+    decoding = threading.Thread(target=decode_to_the_end)
+    decoding.start()
+    decoding.join(20)
+    try:
+        assert not decoding.is_alive(), "the end of the request waited for the store"
+        assert [out.finish_reason for out in finished] == ["length"]
+        assert store.stats().num_requests == 1  # its free waits for the store
+    finally:
+        frozen.answer()
+    assert engine.settle(30)
+    assert engine.counters.store_free_failures == 0
+    assert engine.pool.allocator.num_free == engine.pool.num_rows
+    assert store.stats().num_requests == 0
+    engine.close()

@@ -100,3 +100,44 @@ def test_a_dropped_stream_aborts_its_request(smollm2_llm, store, worker):
     assert not first["finished"]
     assert _settles(lambda: _idle(worker, store)), worker.stats()
     assert worker.stats()["generated_tokens"] < LONG["max_tokens"]
+
+
+def test_freeing_an_early_aborted_request_does_not_hold_up_the_decode_loop(smollm2_llm):
+    """An abort before its request: the worker frees the request in its store. It did so on the
+    decode loop, so a store that did not answer stalled every running request for the timeout;
+    now the free is queued on the store's I/O thread and the running request decodes on."""
+    import threading
+
+    store = KVStore(256 * 2**20)
+    very_long = {"max_tokens": 1500, "ignore_eos": True}
+    worker = DecodeWorker("smollm2-135m", {"kv_pool_gb": 0.2, "budget_tokens": 64, "mode": "dense"},
+                          transport="inproc")
+    running, early = _prefill(smollm2_llm, store, "running"), _prefill(smollm2_llm, store, "early")
+    answer = threading.Event()
+    free = worker.stores.free
+
+    def frozen_free(request_id):  # the store stops answering frees
+        assert answer.wait(60)
+        free(request_id)
+
+    async def run():
+        stream = worker.generate(running, very_long, store)
+        await anext(stream)  # admitted and decoding: it needs its store no more
+        worker.stores.free = frozen_free
+        worker.abort("early")
+        assert [out["finish_reason"] async for out in worker.generate(early, LONG, store)] == ["abort"]
+        await asyncio.sleep(0.5)  # the step under way when the free was asked for ends
+        before = worker.stats()["generated_tokens"]
+        await asyncio.sleep(2.5)
+        decoded = worker.stats()["generated_tokens"] - before
+        answer.set()
+        await stream.aclose()
+        return decoded
+
+    try:
+        decoded = asyncio.run(run())
+        assert 8 <= decoded < very_long["max_tokens"], "the decode loop waited for the store"
+        assert _settles(lambda: _idle(worker, store)), worker.stats()
+    finally:
+        answer.set()
+        worker.shutdown()
