@@ -28,7 +28,7 @@ import torch
 
 from ..models.attention import PAD_POSITION, AttentionBatch, PagedAttention
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
-from ..models.sampling import SamplingParams, make_generator, process_logits, target_probs
+from ..models.sampling import SamplingParams, make_generator, process_logits, stream_seed, target_probs
 from ..models.transformer import DecoderModel
 from .config import DecodeConfig
 from .speculative import Draft, DrafterMismatch, NgramDrafter
@@ -88,7 +88,8 @@ class DraftModelDrafter:
                                    f"build it with max_requests >= the engine's max_num_seqs")
             blocks = self.cache.allocator.allocate(self.slots_per_request // self.cache.block_size)
             region = (torch.tensor(blocks)[:, None] * self.cache.block_size + torch.arange(self.cache.block_size)).reshape(-1)
-            generator = None if params.greedy else make_generator(None if params.seed is None else params.seed + 2)
+            seed = None if params.seed is None else stream_seed(params.seed, "draft")
+            generator = None if params.greedy else make_generator(seed)
             self.states[request_id] = _DraftState(region, torch.full((len(region),), PAD_POSITION), [], generator)
         return self.states[request_id]
 

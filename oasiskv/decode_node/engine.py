@@ -33,6 +33,7 @@ from ..models.sampling import (
     make_generator,
     process_logits,
     require_known_tokens,
+    stream_seed,
     token_logprobs,
 )
 from ..models.transformer import DecoderModel
@@ -209,7 +210,7 @@ class DecodeEngine:
                             prefill.initial_selection, num_kv=len(prefill.prompt_ids), mode=mode,
                             summary_kind=prefill.layout.summary_kind, plan=plan)
         if not params.greedy:
-            req.generator = make_generator(None if params.seed is None else params.seed + 1)
+            req.generator = make_generator(None if params.seed is None else stream_seed(params.seed, "verify"))
         self.waiting.append(req)
         # The first token may already end the request.
         reason = finish_reason(prefill.first_token, 1, params, self.eos_token_ids, False)

@@ -3,13 +3,14 @@ seeds), and the logits processing before it (min_tokens, logit_bias, penalties).
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 # A seed is a signed 64-bit integer (OpenAI's and vLLM's range); the engines derive further
-# generators from seed + 1 and seed + 2, which torch still takes (it accepts up to 2**64 - 1).
+# generators from it (`stream_seed`).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 # Below this temperature a request decodes greedily, as in vLLM: dividing the logits by a
@@ -290,6 +291,15 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
     else:
         tops = [()] * len(tokens)
     return [TokenLogprob(t, lp, alt) for t, lp, alt in zip(tokens, chosen, tops)]
+
+
+def stream_seed(seed: int, stream: str) -> int:
+    """The seed of one of a seeded request's further random streams (the decode node's
+    verification, a draft model's drafts): the request's seed and the stream's name hashed
+    together. They were seed + 1 and seed + 2, so requests seeded 0, 1, 2, ... (n samples of a
+    prompt, say) shared streams: one's verification drew the next one's first token's numbers."""
+    digest = hashlib.blake2b(f"{seed}/{stream}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits: a seed torch takes
 
 
 def make_generator(seed: int | None) -> torch.Generator:

@@ -70,16 +70,28 @@ def test_bad_parameters_name_the_problem(kwargs, message):
 
 
 def test_the_extreme_seeds_sample_and_repeat():
-    """The engines seed further generators from seed + 1 and seed + 2: the ends of the range must
-    still give torch a seed it takes, and the same seed the same tokens."""
-    from oasiskv.models.sampling import SEED_MAX, SEED_MIN, make_generator
+    """The engines seed further generators from a request's seed (`stream_seed`): the ends of
+    the range must still give torch a seed it takes, and the same seed the same tokens."""
+    from oasiskv.models.sampling import SEED_MAX, SEED_MIN, make_generator, stream_seed
 
     logits = torch.randn(1, 50)
     for seed in (SEED_MIN, SEED_MAX):
         params = SamplingParams(temperature=1.0, seed=seed)
-        for offset in (1, 2):
-            runs = [sample(logits, [params], [make_generator(seed + offset)]) for _ in range(2)]
+        for stream in ("verify", "draft"):
+            runs = [sample(logits, [params], [make_generator(stream_seed(seed, stream))]) for _ in range(2)]
             assert runs[0] == runs[1]
+
+
+def test_consecutive_seeds_share_no_random_stream():
+    """A request's verification and draft streams were seeded with seed + 1 and seed + 2: with
+    requests seeded 0, 1, 2, ... one's verification drew the numbers of the next one's first
+    token, and its drafts those of the next one's verification."""
+    from oasiskv.models.sampling import stream_seed
+
+    seeds = range(-50, 50)
+    streams = [s for seed in seeds for s in (seed, stream_seed(seed, "verify"), stream_seed(seed, "draft"))]
+    assert len(set(streams)) == 3 * len(seeds)
+    assert stream_seed(7, "verify") == stream_seed(7, "verify") != stream_seed(7, "draft")
 
 
 @pytest.mark.parametrize("temperature", [1e-40, 7.35e-38, 1e-6])
