@@ -59,7 +59,7 @@ def store_bytes_per_token(config: ServeConfig, model_config: ModelConfig) -> int
     as the store pads them (`KVLayout.chunk_bytes`), over the block's tokens. Without the
     padding a store filled to its reservations refused a long request's last write-back."""
     layout = KVLayout(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
-                      config.decode.block_size, torch.float32 if config.kv_itemsize == 4 else torch.bfloat16)
+                      config.decode.block_size, getattr(torch, config.dtype))
     return -(-layout.chunk_bytes // layout.block_size)
 
 

@@ -27,7 +27,6 @@ from ..models.attention import (
     AttentionBuffers,
     attend_gathered,
     batch_queries,
-    first_visible_block,
     gather_rows,
     position_mask,
     unbatch_outputs,
@@ -252,12 +251,9 @@ class SparseAttention:
         """Complete blocks that are neither sinks nor in the window, first..end-1; in a
         sliding-window layer, only those its first query row may still see: the budget went to
         blocks the position mask hid (on Gemma 3 at a 256-token budget, 98% of its blocks)."""
-        bs = self.pool.layout.block_size
         position = int(req.positions[0])
-        window_start = req.ws.window_blocks(position // bs).start
-        first = req.ws.plan.sinks
-        if self.sliding_window[layer] is not None:
-            first = max(first, first_visible_block(position, self.sliding_window[layer], bs))
+        window_start = req.ws.window_blocks(position // self.pool.layout.block_size).start
+        first = req.ws.first_candidate_block(position, self.sliding_window[layer])
         return first, min(window_start, req.summaries.num_blocks)
 
     def _top_blocks(self, work: list[tuple[int, StepRequest, torch.Tensor]]) -> list[np.ndarray]:

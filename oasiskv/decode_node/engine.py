@@ -23,7 +23,6 @@ import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, KVStoreError, StoreTimeout, ranking_radius_weight, summarize_keys
 from ..kvstore.summary import summary_read_dtype
-from ..models.attention import first_visible_block
 from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
 from ..models.engine.stopping import OutputText, finish_reason, request_eos_ids, visible_text
@@ -298,9 +297,7 @@ class DecodeEngine:
                 # Keep the prediction's candidates that are not resident anyway (sinks, window)
                 # and that the layer may see (a sliding window's first query is at num_kv); heads
                 # may keep different numbers, so all are cut to the shortest.
-                first = plan.sinks
-                if windows[layer] is not None:
-                    first = max(first, first_visible_block(req.num_kv, windows[layer], layout.block_size))
+                first = ws.first_candidate_block(req.num_kv, windows[layer])
                 per_head = [w[(w >= first) & (w < window_start)][: plan.budget] for w in req.initial_selection[layer]]
                 width = min(len(w) for w in per_head)
                 wanted_by_layer.append(torch.stack([w[:width] for w in per_head]))

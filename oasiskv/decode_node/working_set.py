@@ -29,7 +29,7 @@ import torch
 
 from ..kvstore import KVLayout
 from ..kvstore.summary import summary_read_dtype
-from ..models.attention import PAD_POSITION
+from ..models.attention import PAD_POSITION, first_visible_block
 from ..models.kv_cache import BlockAllocator
 
 EMPTY = -1
@@ -178,6 +178,13 @@ class WorkingSet:
         """Blocks that the ring keeps resident while `tail_block` is the newest block."""
         first = max(self.plan.sinks, tail_block - (self.plan.ring - 1) + 1)
         return range(first, tail_block + 1)
+
+    def first_candidate_block(self, query_position: int, window: int | None) -> int:
+        """The first block a layer ranks for a query at `query_position`: past the sinks and, in
+        a sliding-window layer, past the blocks that query may no longer see."""
+        if window is None:
+            return self.plan.sinks
+        return max(self.plan.sinks, first_visible_block(query_position, window, self.block_size))
 
     def attended_budget_blocks(self, layer: int) -> torch.Tensor:
         """[kv_heads, budget rows] a copy of the blocks `layer`'s budget rows show attention now:

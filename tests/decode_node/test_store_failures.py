@@ -106,6 +106,25 @@ class _StopsAnswering:
         return call
 
 
+def _engine_on_a_store_that_may_stop(smollm2_llm, store, prompt, config, request_id):
+    """An engine reading `store` through `_StopsAnswering`, with `request_id` prefilled and added."""
+    client = connect(store)
+    frozen = _StopsAnswering(client)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, frozen, config)
+    result = Prefiller(smollm2_llm.model, client).prefill(
+        request_id, prompt, GREEDY, budget_blocks=config.budget_blocks, excluded_head_blocks=config.sink_blocks,
+        excluded_tail_blocks=config.window_blocks)
+    engine.add(result, GREEDY)
+    return engine, frozen
+
+
+def _everything_comes_back(engine, store):
+    assert engine.settle(30)
+    assert engine.pool.allocator.num_free == engine.pool.num_rows
+    assert store.stats().num_requests == 0
+    engine.close()
+
+
 def test_an_abort_does_not_wait_for_a_store_that_stops_answering(smollm2_llm, store, prompts):
     """A caller gives up on a decoding request whose store stopped answering: the abort returns
     at once (the rows wait in quarantine, the free is queued on the store's I/O thread), and both
@@ -114,13 +133,7 @@ def test_an_abort_does_not_wait_for_a_store_that_stops_answering(smollm2_llm, st
     import threading
 
     config = DecodeConfig(budget_tokens=256, fetch_timeout_s=60)
-    client = connect(store)
-    frozen = _StopsAnswering(client)
-    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, frozen, config)
-    result = Prefiller(smollm2_llm.model, client).prefill(
-        "aborted", prompts[0], GREEDY, budget_blocks=config.budget_blocks, excluded_head_blocks=config.sink_blocks,
-        excluded_tail_blocks=config.window_blocks)
-    engine.add(result, GREEDY)
+    engine, frozen = _engine_on_a_store_that_may_stop(smollm2_llm, store, prompts[0], config, "aborted")
     while engine.counters.steps < 2:
         engine.step()
     frozen.stop()
@@ -133,10 +146,7 @@ def test_an_abort_does_not_wait_for_a_store_that_stops_answering(smollm2_llm, st
         assert store.stats().num_requests == 1  # its free waits for the store
     finally:
         frozen.answer()
-    assert engine.settle(30)
-    assert engine.pool.allocator.num_free == engine.pool.num_rows
-    assert store.stats().num_requests == 0
-    engine.close()
+    _everything_comes_back(engine, store)
 
 
 def test_a_request_that_ends_does_not_wait_for_a_store_that_stops_answering(smollm2_llm, store, prompts):
@@ -147,13 +157,7 @@ def test_a_request_that_ends_does_not_wait_for_a_store_that_stops_answering(smol
     import threading
 
     config = DecodeConfig(mode="dense", fetch_timeout_s=60)
-    client = connect(store)
-    frozen = _StopsAnswering(client)
-    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, frozen, config)
-    result = Prefiller(smollm2_llm.model, client).prefill(
-        "ends", prompts[0], GREEDY, budget_blocks=config.budget_blocks, excluded_head_blocks=config.sink_blocks,
-        excluded_tail_blocks=config.window_blocks)
-    engine.add(result, GREEDY)
+    engine, frozen = _engine_on_a_store_that_may_stop(smollm2_llm, store, prompts[0], config, "ends")
     while not engine.running:
         engine.step()
     frozen.stop()
@@ -172,8 +176,5 @@ def test_a_request_that_ends_does_not_wait_for_a_store_that_stops_answering(smol
         assert store.stats().num_requests == 1  # its free waits for the store
     finally:
         frozen.answer()
-    assert engine.settle(30)
+    _everything_comes_back(engine, store)
     assert engine.counters.store_free_failures == 0
-    assert engine.pool.allocator.num_free == engine.pool.num_rows
-    assert store.stats().num_requests == 0
-    engine.close()
