@@ -45,6 +45,9 @@ class ResidentSets:
         def attend_resident(backend, layer, q):
             for req in backend.requests:
                 held = req.ws.blocks[layer].clone()
+                # Rows still landing are masked from attention under `skip`: not held (counted
+                # as held, skip's loss read about a sixth too small).
+                held[req.ws.in_flight[layer]] = EMPTY
                 for position in req.positions.tolist():
                     sets[(layer, position)] = held
             return original(backend, layer, q)
@@ -66,14 +69,18 @@ def block_mass(probs: torch.Tensor, block_size: int) -> torch.Tensor:
 
 
 def selectable_blocks(positions: torch.Tensor, num_blocks: int, block_size: int, sinks: int,
-                      window: int) -> tuple[torch.Tensor, torch.Tensor]:
+                      window: int, sliding_window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row at `positions`: which of `num_blocks` blocks a selection chooses among (after the
-    sinks, before the row's window) and which are held anyway (the sinks, the window up to the
-    row's own block); both [rows, blocks]."""
+    sinks, before the row's window, and in a `sliding_window` layer not before the first block
+    the row may see, as the decode node ranks) and which are held anyway (the sinks, the window
+    up to the row's own block); both [rows, blocks]."""
     ids = torch.arange(num_blocks)[None]
     tails = (positions // block_size)[:, None]
     window_start = (tails - window + 1).clamp(min=sinks)
-    candidate = (ids >= sinks) & (ids < window_start)
+    first = torch.full_like(tails, sinks)
+    if sliding_window is not None:
+        first = first.clamp(min=(positions[:, None] - sliding_window + 1).clamp(min=0) // block_size)
+    candidate = (ids >= first) & (ids < window_start)
     always = (ids < sinks) | ((ids >= window_start) & (ids <= tails))
     return candidate, always
 

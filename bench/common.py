@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sysconfig
@@ -57,10 +58,48 @@ def latency_summary(requests: list[dict]) -> dict:
 def real_text_token_ids(llm, num_tokens: int, offset: int = 0) -> list[int]:
     """`num_tokens` token ids of standard-library source, starting `offset` lines in."""
     lines = stdlib_text().splitlines(keepends=True)
+    if offset * 37 >= len(lines):
+        raise ValueError(f"the stdlib text has {len(lines)} lines, so offsets end at {(len(lines) - 1) // 37}")
     ids = llm.encode("".join(lines[offset * 37 :]))
     if len(ids) < num_tokens:
         raise ValueError(f"only {len(ids)} tokens of stdlib text available, {num_tokens} asked")
     return ids[:num_tokens]
+
+
+def at_least(minimum: int):
+    """An argparse type: an int of at least `minimum` (a 0 that an `x or default` turned into the
+    default, or a count that failed minutes later with an IndexError, is refused at once)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+    parse.__name__ = f"int >= {minimum}"  # what argparse names in its error
+    return parse
+
+
+def token_counts(text: str, *, multiple_of: int = 1, minimum: int = 1) -> list[int]:
+    """A comma-separated list of token counts, each at least `minimum` and a multiple of
+    `multiple_of` (budgets are whole blocks)."""
+    counts = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            value = int(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r} is not a whole number") from None
+        if value < minimum or value % multiple_of:
+            rule = f"at least {minimum}" + (f" and a multiple of {multiple_of}" if multiple_of > 1 else "")
+            raise argparse.ArgumentTypeError(f"{value} must be {rule}")
+        counts.append(value)
+    if not counts:
+        raise argparse.ArgumentTypeError("no token counts given")
+    return counts
 
 
 # Decode-config variants a benchmark mode label may carry: 'lookahead+topup4+rate0.01+depth0.5'.

@@ -104,12 +104,12 @@ from oasiskv.kvstore import (  # noqa: E402
     ranking_radius_weight,
     summarize_layer,
 )
-from oasiskv.models.attention import AttentionBatch, PagedAttention  # noqa: E402
+from oasiskv.models.attention import AttentionBatch, PagedAttention, first_visible_block  # noqa: E402
 from oasiskv.models.errors import ModelError  # noqa: E402
 from oasiskv.models.kv_cache import KVCacheSpec, PagedKVCache  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
 
-from bench.common import grouped_bar_positions, real_text_token_ids, write_results  # noqa: E402
+from bench.common import at_least, grouped_bar_positions, real_text_token_ids, token_counts, write_results  # noqa: E402
 
 BLOCK = 16
 PAPER = {"lookahead": 0.9874, "current": 0.839}
@@ -256,13 +256,17 @@ def block_attention_mass(q: torch.Tensor, keys: torch.Tensor, scale: float, wind
     return mass.view(kv_heads, blocks, BLOCK).sum(-1)
 
 
-def candidate_mask(t: int, sink_blocks: int, window_blocks: int) -> torch.Tensor:
+def candidate_mask(t: int, sink_blocks: int, window_blocks: int, sliding_window: int | None = None) -> torch.Tensor:
     """Blocks a decode step at position t may select: not sinks, not in its window (the
-    `window_blocks` newest blocks, the partly filled one included)."""
+    `window_blocks` newest blocks, the partly filled one included), and in a sliding-window
+    layer not before the first block its query at t may see, as the decode node ranks them
+    (`WorkingSet.first_candidate_block`). Hidden blocks carry no attention: as candidates they
+    filled the true top-K with ties and took predictions' slots (Gemma 3: 55% of the truth)."""
     tail = t // BLOCK
     window_start = max(sink_blocks, tail - window_blocks + 1)
+    first = sink_blocks if sliding_window is None else max(sink_blocks, first_visible_block(t, sliding_window, BLOCK))
     mask = torch.zeros(window_start, dtype=torch.bool)
-    mask[sink_blocks:] = True
+    mask[first:] = True
     return mask
 
 
@@ -355,10 +359,10 @@ def evaluate_position(ctx: DenseContext, t: int, k: int, top_k: int, sinks: int,
         drafted_accepted = accepted_prefix(drafted, truth_tokens)
         targets["next_step_draft_model"] = t + 1 + drafted_accepted
         predictor_names = PREDICTORS + DRAFT_MODEL_PREDICTORS
-    candidates = candidate_mask(t, sinks, window)
     num_layers = perfect_q.shape[0]
     out = {f"{truth}/{target}/{pred}": [] for truth in TRUTHS for target in targets for pred in predictor_names}
     for layer in range(num_layers):
+        candidates = candidate_mask(t, sinks, window, sliding_window[layer])
         summaries = ctx.summaries(layer, candidates.numel() * BLOCK, kind="minmax")
         keys_before_t = ctx.keys(layer, t)
         candidate_keys = ctx.keys(layer, candidates.numel() * BLOCK)
@@ -446,6 +450,24 @@ def run_context(ctx: DenseContext, context: int, args, scale: float, sliding_win
     }
 
 
+def trivial_context(context: int, args) -> str | None:
+    """Why `context` cannot measure recall with these arguments, or None. Where the top-K holds
+    every candidate block, every predictor's recall is 100% and the goal reads as met (a
+    1,024-token context at the default 2,048-token budget did)."""
+    positions = positions_for(context, args.positions, args.stride, args.num_draft_tokens)
+    if positions[0] < 1:
+        return (f"context {context} is too short for {args.positions} positions {args.stride} tokens apart "
+                f"and {args.num_draft_tokens} drafts")
+    candidates = int(candidate_mask(positions[0], args.sink_blocks, args.window_blocks).sum())
+    top_k = args.budget_tokens // BLOCK
+    if candidates <= top_k:
+        return (f"context {context}: its first position has {candidates} candidate blocks (past {args.sink_blocks} "
+                f"sink and {args.window_blocks} window blocks), and the top-{top_k} of --budget-tokens "
+                f"{args.budget_tokens} would hold them all, so every recall would be 100%; use a longer context "
+                "or a smaller budget")
+    return None
+
+
 def positions_for(context: int, count: int, stride: int, k: int) -> list[int]:
     """`count` decode positions, `stride` apart, ending k + 2 tokens before `context` (so every
     target query and true draft lies inside the context)."""
@@ -458,33 +480,48 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="default qwen2.5-coder-0.5b (--quick: smollm2-135m)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--contexts", default=None, help="comma-separated context lengths in tokens")
-    parser.add_argument("--positions", type=int, default=None, help="decode positions per context (default 24, quick 8)")
-    parser.add_argument("--stride", type=int, default=8, help="tokens between decode positions")
-    parser.add_argument("--budget-tokens", type=int, default=None, help="default 2048 (--quick: 512, so top-K stays "
+    parser.add_argument("--positions", type=at_least(1), default=None, help="decode positions per context (default 24, quick 8)")
+    parser.add_argument("--stride", type=at_least(1), default=8, help="tokens between decode positions")
+    parser.add_argument("--budget-tokens", type=at_least(BLOCK), default=None, help="default 2048 (--quick: 512, so top-K stays "
                         "a similar share of the shorter contexts' blocks)")
-    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--num-draft-tokens", type=at_least(1), default=3,
+                        help="drafts per step (at least 1: look-ahead predicts from the draft rows)")
     parser.add_argument("--draft-model", default=None,
                         help="also predict from a draft model's drafts (registry name or path sharing the target's "
                              "tokenizer, e.g. qwen2.5-coder-0.5b for --model qwen2.5-coder-1.5b)")
-    parser.add_argument("--summary-dtype", default="bfloat16", choices=["float32", "bfloat16", "uint8"],
+    parser.add_argument("--summary-dtype", default=DecodeConfig().summary_read_dtype, choices=["float32", "bfloat16", "uint8"],
                         help="the dtype the decode node reads key summaries in (DecodeConfig.summary_read_dtype)")
-    parser.add_argument("--sink-blocks", type=int, default=1)
-    parser.add_argument("--window-blocks", type=int, default=4)
-    parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
+    parser.add_argument("--sink-blocks", type=at_least(0), default=1)
+    parser.add_argument("--window-blocks", type=at_least(1), default=4)
+    parser.add_argument("--offset", type=at_least(0), default=0, help="start of the text, in lines / 37 (bench.common)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))
     args = parser.parse_args(argv)
     args.model = args.model or ("smollm2-135m" if args.quick else "qwen2.5-coder-0.5b")
-    args.positions = args.positions or (8 if args.quick else 24)
-    args.budget_tokens = args.budget_tokens or (512 if args.quick else 2048)
-    contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else default_contexts(args.model, args.quick)
+    if args.positions is None:
+        args.positions = 8 if args.quick else 24
+    if args.budget_tokens is None:
+        args.budget_tokens = 512 if args.quick else 2048
+    if args.budget_tokens % BLOCK:
+        parser.error(f"--budget-tokens must be a multiple of the block size {BLOCK}, got {args.budget_tokens}")
+    try:
+        contexts = token_counts(args.contexts) if args.contexts else default_contexts(args.model, args.quick)
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"--contexts: {error}")
+    for context in contexts:
+        problem = trivial_context(context, args)
+        if problem:
+            parser.error(problem)
 
     started = time.perf_counter()
     llm = load_llm(args.model, args.dtype)
     model = llm.model
     if max(contexts) > llm.max_model_len:
         parser.error(f"context {max(contexts)} exceeds {args.model}'s {llm.max_model_len} tokens")
-    ids = real_text_token_ids(llm, max(contexts), offset=args.offset)
+    try:
+        ids = real_text_token_ids(llm, max(contexts), offset=args.offset)
+    except ValueError as error:
+        parser.error(f"--offset {args.offset}: {error}")
     # Loaded before the long dense pass, so a draft model that cannot serve this target fails at once.
     try:
         draft_model = (build_drafter(DecodeConfig(drafter=args.draft_model), model, llm.tokenizer,

@@ -11,9 +11,11 @@ run (the decode engine frees a request's store memory when it finishes). Every r
 the real `DecodeEngine` (working set, selection, prefetch, replacement cap, write-back), twice:
 
 1. Free-running greedy decoding of --new-tokens tokens with the n-gram drafter (k drafts per
-   step). Reported: `prefix_agreement` = tokens generated before the first one that differs
-   from dense, / new tokens (strict: one flip ends it), and `positionwise_agreement` = share of
-   positions with the same token as dense (after a flip the texts may realign or not).
+   step). Over the new_tokens - 1 tokens the decode engine generates (the first is the
+   prefill's, the same in every mode), reported: `prefix_agreement` = tokens generated before
+   the first one that differs from dense, / those tokens (strict: one flip ends it), and
+   `positionwise_agreement` = share of positions with the same token as dense (after a flip the
+   texts may realign or not).
 
 2. Teacher-forced through the decode engine: perplexity and top-1 agreement. A bench-only
    drafter proposes the file's true next k tokens, and the engine's `verify` is replaced (in
@@ -21,8 +23,9 @@ the real `DecodeEngine` (working set, selection, prefetch, replacement cap, writ
    and accepts the file's tokens, so the history follows the file exactly while every step runs
    the real sparse machinery over 1 + k rows (for `lookahead` this is the perfect-drafter case:
    the draft rows' queries are those of the true continuation). The first output token is set
-   to the file's next token. Reported over the same new_tokens - 1 scored positions for every
-   run: `perplexity` (exp of the mean NLL of the true tokens) and its ratio to dense, and
+   to the file's next token. Reported over the same new_tokens scored positions for every run
+   (the file's tokens context + 1 .. context + new_tokens; the last step's bonus row scores the
+   last): `perplexity` (exp of the mean NLL of the true tokens) and its ratio to dense, and
    `top1_agreement` = share of positions where the run's argmax equals dense's argmax on the
    same prefix (the robust form of "greedy token agreement": a flip does not derail the rest).
 
@@ -112,8 +115,16 @@ from oasiskv.models.sampling import SamplingParams  # noqa: E402
 from oasiskv.prefill_node.prefill import Prefiller  # noqa: E402
 
 from bench.attention_mass import ResidentSets, block_mass, mass_by_head, selectable_blocks, summarize_mass  # noqa: E402
-from bench.common import DelayedReads, decode_overrides, parse_mode, real_text_token_ids, write_results  # noqa: E402
-from bench.lookahead_accuracy import LINEAR_RADIUS_WEIGHT, load_llm, sketch_keys  # noqa: E402
+from bench.common import (  # noqa: E402
+    DelayedReads,
+    at_least,
+    decode_overrides,
+    parse_mode,
+    real_text_token_ids,
+    token_counts,
+    write_results,
+)
+from bench.lookahead_accuracy import BLOCK, LINEAR_RADIUS_WEIGHT, load_llm, sketch_keys  # noqa: E402
 
 GOAL_AGREEMENT = 0.99
 GOAL_PPL_RATIO = 1.01
@@ -188,9 +199,11 @@ class IdealSelection:
     min/max summaries; "moments": over mean +- std ones), "linear" or "bound" score against the summaries; its attention over "sketch1" / "sketch2"
     keys (box + 1 or 2 bits per element); or "dense": all."""
 
-    def __init__(self, cache: PagedKVCache, scale: float, rule: str, budget_blocks: int, sinks: int, window: int):
+    def __init__(self, cache: PagedKVCache, scale: float, rule: str, budget_blocks: int, sinks: int, window: int,
+                 sliding_window: list[int | None]):
         self.cache, self.scale, self.rule = cache, scale, rule
         self.budget_blocks, self.sinks, self.window = budget_blocks, sinks, window
+        self.sliding_window = sliding_window  # per layer: None, or how far back its rows may see
         self.positions: torch.Tensor | None = None
         self.mass: dict[int, torch.Tensor] | None = None  # when a dict: each layer's attention per block
         self.selected: ResidentSets | None = None  # when given: each row's chosen blocks, as the engine's are recorded
@@ -208,10 +221,13 @@ class IdealSelection:
         qg = q.float().view(rows, kv_heads, group, d).transpose(0, 1)  # [kv_heads, rows, group, d]
         logits = torch.einsum("hrgd,hld->hrgl", qg, keys) * self.scale
         causal = torch.arange(end)[None, :] <= positions[:, None]  # [rows, L]
+        sliding = self.sliding_window[layer]
+        if sliding is not None:  # as the model's own mask: without it, Gemma 3's "dense" read 539x its perplexity
+            causal &= positions[:, None] - torch.arange(end)[None, :] < sliding
         logits = logits.masked_fill(~causal[None, :, None, :], float("-inf"))
         if self.rule != "dense":
             num_blocks = -(-end // bs)
-            candidate, _ = selectable_blocks(positions, num_blocks, bs, self.sinks, self.window)  # [rows, blocks]
+            candidate, _ = selectable_blocks(positions, num_blocks, bs, self.sinks, self.window, sliding)  # [rows, blocks]
             if self.rule == "exact":
                 mass = torch.softmax(logits, dim=-1).sum(dim=2)  # [kv_heads, rows, L]
                 mass = torch.nn.functional.pad(mass, (0, num_blocks * bs - end))
@@ -271,7 +287,7 @@ def ideal_selection(llm, stored: StoredPrompt, full: list[int], context: int, ne
         kv = stored.packed[layer]  # [blocks, kv_heads, 2, bs, d]
         cache.k[layer][:, :context] = kv[:, :, 0].transpose(0, 1).reshape(c.num_kv_heads, -1, c.head_dim)[:, :context]
         cache.v[layer][:, :context] = kv[:, :, 1].transpose(0, 1).reshape(c.num_kv_heads, -1, c.head_dim)[:, :context]
-    backend = IdealSelection(cache, c.softmax_scale, rule, budget_blocks, sinks, window)
+    backend = IdealSelection(cache, c.softmax_scale, rule, budget_blocks, sinks, window, c.sliding_window)
     backend.positions = torch.arange(context, total)
     backend.mass, backend.selected = mass, selected
     hidden = model(torch.tensor(full[context:total]), backend.positions, backend)
@@ -330,15 +346,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default qwen2.5-coder-0.5b (--quick: smollm2-135m)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--context", type=int, default=None, help="prompt tokens (default 8192, quick 2048)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="generated tokens (default 256, quick 64)")
-    parser.add_argument("--budgets", default="512,1024,2048,4096")
+    parser.add_argument("--context", type=at_least(1), default=None, help="prompt tokens (default 8192, quick 2048)")
+    parser.add_argument("--new-tokens", type=at_least(2), default=None,
+                        help="generated tokens, the prefill's first one included (default 256, quick 64)")
+    parser.add_argument("--budgets", default="512,1024,2048,4096", help="comma-separated, in tokens: whole blocks of 16")
     parser.add_argument("--modes", default="sparse-current,lookahead",
                         help="comma-separated; a mode may carry variants run beside it: lookahead+topup4, lookahead+rate0.01, "
                         "lookahead+depth0.5 (bench.common.MODE_VARIANTS)")
-    parser.add_argument("--num-draft-tokens", type=int, default=3)
-    parser.add_argument("--sink-blocks", type=int, default=1)
-    parser.add_argument("--window-blocks", type=int, default=4)
+    parser.add_argument("--num-draft-tokens", type=at_least(1), default=3,
+                        help="drafts per step (at least 1: the teacher-forced pass feeds the file's tokens as drafts)")
+    parser.add_argument("--sink-blocks", type=at_least(0), default=1)
+    parser.add_argument("--window-blocks", type=at_least(1), default=4)
     parser.add_argument("--offsets", default="0", help="texts to run, comma-separated: where each starts in the "
                         "stdlib source, in lines / 37 (bench.common); results are given per text and pooled")
     parser.add_argument("--max-replace-fraction", type=float, default=None,
@@ -374,9 +392,23 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--ideal-rules: unknown {sorted(unknown)}; choose from {', '.join(IDEAL_RULES)}")
     args.model = args.model or ("smollm2-135m" if args.quick else "qwen2.5-coder-0.5b")
-    args.context = args.context or (2048 if args.quick else 8192)
-    args.new_tokens = args.new_tokens or (64 if args.quick else 256)
-    budgets = [int(b) for b in args.budgets.split(",")]
+    if args.context is None:
+        args.context = 2048 if args.quick else 8192
+    if args.new_tokens is None:
+        args.new_tokens = 64 if args.quick else 256
+    try:
+        # A budget of 0 ran as 2,048 under the label 0; 100 failed in DecodeConfig after the prefill.
+        budgets = token_counts(args.budgets, multiple_of=BLOCK, minimum=BLOCK)
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"--budgets: {error}")
+    try:
+        offsets = token_counts(args.offsets, minimum=0)
+    except argparse.ArgumentTypeError as error:
+        parser.error(f"--offsets: {error}")
+    always_held = (args.sink_blocks + args.window_blocks) * BLOCK
+    if args.context <= always_held:
+        parser.error(f"--context {args.context} leaves no block to select past {args.sink_blocks} sink and "
+                     f"{args.window_blocks} window blocks ({always_held} tokens)")
     modes = args.modes.split(",")
     for label in modes:
         try:
@@ -385,12 +417,15 @@ def main(argv=None) -> int:
             parser.error(str(error))
     k = args.num_draft_tokens
 
-    offsets = [int(x) for x in args.offsets.split(",")]
-
     started = time.perf_counter()
     llm = load_llm(args.model, args.dtype)
     if args.context + args.new_tokens + k + 1 > llm.max_model_len:
         parser.error(f"context + new tokens exceed {args.model}'s {llm.max_model_len} tokens")
+    for offset in offsets:  # before any text's prefill, not after the first texts' runs
+        try:
+            real_text_token_ids(llm, args.context + args.new_tokens + k + 1, offset=offset)
+        except ValueError as error:
+            parser.error(f"--offsets {offset}: {error}")
     results = {
         "model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
@@ -433,7 +468,8 @@ def run_text(llm, args, offset: int, kinds: list[str], modes: list[str], budgets
         for label, budget, kind in runs:
             stored = stored_by_kind[kind]
             mode, variant = parse_mode(label, ("dense", *SPARSE_MODES))
-            config = DecodeConfig(mode=mode, budget_tokens=budget or 2048, num_draft_tokens=k, kv_pool_gb=1.0,
+            budget_field = {} if budget is None else {"budget_tokens": budget}  # dense has none
+            config = DecodeConfig(mode=mode, **budget_field, num_draft_tokens=k, kv_pool_gb=1.0,
                                   sink_blocks=args.sink_blocks, window_blocks=args.window_blocks,
                                   **decode_overrides(args, OVERRIDES, variant))
             config = config.model_copy(update={"kv_pool_gb": pool_gb(layout, config, args.context, args.new_tokens)})
@@ -551,11 +587,15 @@ def summarize(rows: list[dict], context: int) -> list[dict]:
             summary["attention_mass"] = row["attention_mass"]
         if "free_running" in row:
             fr, ref = row["free_running"]["tokens"], dense["free_running"]["tokens"]
-            prefix = next((i for i, (a, b) in enumerate(zip(fr, ref)) if a != b), min(len(fr), len(ref)))
+            # tokens[0] is the prefill's, the same in every mode: counted, a run whose first
+            # decoded token differed still read 1 / new_tokens.
+            decoded, ref_decoded = fr[1:], ref[1:]
+            prefix = next((i for i, (a, b) in enumerate(zip(decoded, ref_decoded)) if a != b),
+                          min(len(decoded), len(ref_decoded)))
             summary.update({
-                "prefix_agreement": prefix / len(ref),
-                "first_divergence": None if prefix == len(ref) else prefix,
-                "positionwise_agreement": sum(a == b for a, b in zip(fr, ref)) / len(ref),
+                "prefix_agreement": prefix / len(ref_decoded),
+                "first_divergence": None if prefix == len(ref_decoded) else prefix + 1,  # index into tokens
+                "positionwise_agreement": sum(a == b for a, b in zip(decoded, ref_decoded)) / len(ref_decoded),
                 "free_running_seconds": row["free_running"]["seconds"],
                 "free_running_tokens_per_s": (len(fr) - 1) / row["free_running"]["seconds"],
                 "free_running_counters": row["free_running"]["counters"],

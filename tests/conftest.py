@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sysconfig
 from pathlib import Path
 
@@ -38,3 +39,18 @@ def smollm2_llm(smollm2_dir):
 def _deterministic_threads():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def sliding_llm(smollm2_llm):
+    """SmolLM2 with every layer a 128-token sliding window, as Gemma 3's local layers (Gemma
+    itself is a slow suite's model): the same weights, masks on positions."""
+    from oasiskv.models.engine import LLM
+
+    model = smollm2_llm.model
+    original = model.config
+    model.config = dataclasses.replace(original, sliding_window=(128,) * original.num_layers)
+    try:
+        yield LLM.from_model(model, smollm2_llm.tokenizer, dtype="float32", kv_cache_gb=0.25)
+    finally:
+        model.config = original

@@ -4,7 +4,7 @@ hand-made attention maps (the benchmark runs it on a real model)."""
 import pytest
 import torch
 
-from bench.attention_mass import ResidentSets, block_mass, mass_by_head, summarize_mass
+from bench.attention_mass import ResidentSets, block_mass, mass_by_head, selectable_blocks, summarize_mass
 from oasiskv.decode_node.working_set import EMPTY
 
 BS = 4
@@ -105,3 +105,32 @@ def test_texts_pool_the_attention_per_head_before_ranking_the_worst():
     mass = pooled[0]["attention_mass"]
     assert mass["missed_mean"] == pytest.approx(0.175)
     assert [(p["kv_head"], round(p["missed"], 3)) for p in mass["worst"]] == [(1, 0.2), (0, 0.15)]
+
+
+def test_a_sliding_window_row_selects_only_blocks_it_can_see():
+    # Rows at 1,000 and 1,100 with a 512-token window see keys from 489 and 589 on: blocks 30 and 36 (of 16).
+    positions = torch.tensor([1000, 1100])
+    candidate, always = selectable_blocks(positions, 69, 16, sinks=1, window=4, sliding_window=512)
+    assert candidate[0].nonzero().flatten().tolist() == list(range(30, 59))
+    assert candidate[1].nonzero().flatten().tolist() == list(range(36, 65))
+    full, always_full = selectable_blocks(positions, 69, 16, sinks=1, window=4)
+    assert full[0].nonzero().flatten().tolist() == list(range(1, 59))
+    assert always.equal(always_full)  # sinks and the window are held either way
+
+
+def test_rows_still_landing_are_recorded_as_not_held(monkeypatch):
+    """Under `skip` a row whose fetch has not landed is masked from attention: recording it as
+    held read skip's lost attention about a sixth too small."""
+    from types import SimpleNamespace
+
+    from oasiskv.decode_node.attention import SparseAttention
+
+    monkeypatch.setattr(SparseAttention, "_attend_resident", lambda backend, layer, q: "attended")
+    blocks = torch.tensor([[[0, 5, 9, 12]]])  # [layers, kv_heads, rows]
+    in_flight = torch.tensor([[[False, False, True, False]]])
+    request = SimpleNamespace(ws=SimpleNamespace(blocks=blocks, in_flight=in_flight), positions=torch.tensor([70, 71]))
+    sets = ResidentSets()
+    with sets.recording():
+        assert SparseAttention._attend_resident(SimpleNamespace(requests=[request]), 0, None) == "attended"
+    assert sets.blocks[(0, 70)].tolist() == [[0, 5, EMPTY, 12]] == sets.blocks[(0, 71)].tolist()
+    assert blocks.tolist() == [[[0, 5, 9, 12]]]  # the working set itself untouched

@@ -81,21 +81,6 @@ def test_a_request_ended_by_its_first_token_does_not_wait_for_a_seat(smollm2_llm
     assert store.stats().num_requests == 0
 
 
-@pytest.fixture
-def sliding_llm(smollm2_llm):
-    """SmolLM2 with every layer a 128-token sliding window, as Gemma 3's local layers (Gemma
-    itself is a slow suite's model): the same weights, masks on positions."""
-    from oasiskv.models.engine import LLM
-
-    model = smollm2_llm.model
-    original = model.config
-    model.config = dataclasses.replace(original, sliding_window=(128,) * original.num_layers)
-    try:
-        yield LLM.from_model(model, smollm2_llm.tokenizer, dtype="float32", kv_cache_gb=0.25)
-    finally:
-        model.config = original
-
-
 @pytest.mark.parametrize("mode", ["sparse-current", "lookahead"])
 def test_sliding_window_layers_spend_their_budget_on_blocks_they_can_see(sliding_llm, store, prompts, mode):
     """A 256-token budget holds the whole 128-token window of every layer, so sparse attention
