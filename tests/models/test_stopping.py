@@ -142,3 +142,50 @@ def test_eos_and_stop_tokens_do_not_end_the_output_before_min_tokens():
     params = SamplingParams(min_tokens=3, stop_token_ids=[7], max_tokens=10)
     assert [finish_reason(token, n, params, EOS, False) for token in (0, 7) for n in (1, 3, 4)] == [
         None, None, "stop", None, None, "stop"]
+
+
+def _byte_fallback_tokenizer():
+    """A tokenizer that spells characters it has no token for as byte tokens and decodes a run
+    of them together, as Gemma's does (the `tokenizers` library's own ByteFallback decoder)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {f"<0x{i:02X}>": i for i in range(256)} | {"a": 256, "b": 257}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    tokenizer.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return tokenizer
+
+
+def test_a_byte_fallback_decoder_never_takes_a_shown_character_back():
+    """Once the next character's first byte joins the run, the decoder turns the whole run, the
+    finished character before it too, into U+FFFD: the shown text went from 'a𝔫' back to 'a',
+    and a stream that sends each text's growth sent '𝔫' twice."""
+    tokenizer = _byte_fallback_tokenizer()
+    ids = tokenizer.encode("a𝔫𝔦b").ids
+    assert len(ids) == 10 and tokenizer.decode(ids[:6]) == "a" + "\ufffd" * 5  # the decoder's own behaviour
+    output, streamed, shown = OutputText(tokenizer), "", ""
+    for n in range(1, len(ids) + 1):
+        text, _ = visible_text(output, ids[:n], SamplingParams(), None, EOS)
+        assert text.startswith(shown), (n, shown, text)
+        streamed += text[len(shown):]
+        shown = text
+    assert streamed == shown == "a𝔫𝔦b" == tokenizer.decode(ids)
+    # An output that ends inside a character shows the characters that were whole.
+    output = OutputText(tokenizer)
+    for n in range(1, 7):
+        visible_text(output, ids[:n], SamplingParams(), None, EOS)
+    assert visible_text(output, ids[:7], SamplingParams(), "length", EOS) == ("a𝔫", "length")
+
+
+def test_a_character_that_never_finishes_does_not_take_back_the_one_before_it():
+    """A stray first byte, then a whole token: the decoder spells the whole run, the finished
+    '𝔫' too, as U+FFFD for good. The text goes on from what it showed."""
+    tokenizer = _byte_fallback_tokenizer()
+    ids = tokenizer.encode("a𝔫").ids + [0xF0] + tokenizer.encode("b").ids
+    assert tokenizer.decode(ids) == "a" + "\ufffd" * 5 + "b"
+    output, shown = OutputText(tokenizer), ""
+    for n in range(1, len(ids)):
+        text, _ = visible_text(output, ids[:n], SamplingParams(), None, EOS)
+        assert text.startswith(shown)
+        shown = text
+    assert shown == "a𝔫"
+    assert visible_text(output, ids, SamplingParams(), "length", EOS) == ("a𝔫\ufffdb", "length")

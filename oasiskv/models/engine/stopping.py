@@ -31,7 +31,14 @@ class OutputText:
     step (bench/step_host_work.py).
 
     `decode(ids)` equals the tokenizer's whole decode of `ids`, provided each call's ids extend
-    the previous call's, as a request's output does; fewer ids than last time start it over."""
+    the previous call's, as a request's output does; fewer ids than last time start it over.
+    Exceptions keep a text from ever taking back what it showed. A byte-fallback decoder
+    (Gemma's) decodes a run of byte tokens together, and turns a whole character back into
+    U+FFFD once the next character's first byte joins its run: the shown text lost it, and a
+    stream that sent the text's growth sent it twice. So while the last character's bytes are
+    still arriving, the characters before it show as they were; and where the run never
+    finishes that character, the text goes on from what was shown (as the sum of a vLLM
+    stream's pieces does), not from the decoder's rewrite of the whole run."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
@@ -60,9 +67,18 @@ class OutputText:
         decode = self._decode
         before = decode(ids[self.context : self.read]) if self.read > self.context else ""
         now = decode(ids[self.context :])
-        if not now.startswith(before):  # a decoder that rewrote its context: decode it all once
-            self._restart()
-            before, now = "", decode(ids)
+        if not now.startswith(before):
+            if now.endswith("\ufffd"):
+                return self.settled  # a byte run with an unfinished character: what it settles into comes later
+            whole = decode(ids)
+            if whole.startswith(self.settled):  # a decoder that rewrote its context: decode it all once
+                self._restart()
+                before, now = "", whole
+            else:
+                # The run never finished its character and a later token closed it: the decoder
+                # now spells the whole run, shown characters too, as U+FFFD. What was shown stays;
+                # the new tokens add their own text.
+                before, now = "", decode(ids[self.read :])
         new = now[len(before) :]
         if new and not new.endswith("\ufffd"):
             self.settled += new
