@@ -8,6 +8,7 @@ blocks of each layer to predict the decode node's first working set.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +30,8 @@ from ..models.sampling import (
 from ..models.transformer import DecoderModel
 from .cancellation import raise_if
 
+log = logging.getLogger("oasiskv.prefill")
+
 
 @dataclass
 class PrefillResult:
@@ -46,6 +49,30 @@ class PrefillResult:
 def kv_layout_for(model: DecoderModel, block_size: int = 16, summary_kind: str = DEFAULT_SUMMARY_KIND) -> KVLayout:
     c = model.config
     return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, next(model.parameters()).dtype, summary_kind)
+
+
+def first_working_set(last_query: torch.Tensor, summaries: torch.Tensor, num_tokens: int, block_size: int,
+                      excluded_head_blocks: int, excluded_tail_blocks: int, budget_blocks: int,
+                      window: int | None, scale: float, radius_weight: float) -> torch.Tensor:
+    """[kv_heads, k] one layer's first working set for a prompt of `num_tokens`: the top
+    `budget_blocks` of [excluded_head_blocks, blocks - excluded_tail_blocks) (the decode node keeps
+    its sinks and window resident anyway) by the decode node's ranking of the prompt's last query
+    rows against the key summaries, best first.
+
+    In a sliding-window layer only the blocks its first decode query (at num_tokens) may see are
+    ranked, as the decode node ranks them: hidden blocks in the softmax took shares from the
+    visible ones (on Gemma 3, 14 of 18 layers kept another set; a local layer's held 0.18 of the
+    attention against 0.47). Where fewer are visible than k, hidden ones fill the set, last; the
+    decode node drops them."""
+    num_blocks = -(-num_tokens // block_size)
+    start = excluded_head_blocks
+    stop = max(start, num_blocks - excluded_tail_blocks)
+    top_k = min(budget_blocks, stop - start)
+    scores = torch.full((summaries.shape[0], max(0, stop - start)), float("-inf"))
+    visible = start if window is None else min(stop, max(start, first_visible_block(num_tokens, window, block_size)))
+    if visible < stop:
+        scores[:, visible - start :] = rank_blocks(last_query, summaries[:, visible:stop], scale, radius_weight).float().cpu()
+    return torch.topk(scores, top_k, dim=-1).indices + start
 
 
 class _CapturingAttention(PagedAttention):
@@ -111,27 +138,17 @@ class Prefiller:
         slots = torch.arange(num_tokens, device=device)  # blocks 0..n-1 in order: slot == position
         self.client.allocate(request_id, layout, num_tokens)
         handles = []
-        selection = torch.empty((config.num_layers, config.num_kv_heads, 0), dtype=torch.long)
-        candidates = range(excluded_head_blocks, max(excluded_head_blocks, num_blocks - excluded_tail_blocks))
-        top_k = min(budget_blocks, len(candidates))
-        if top_k:
-            selection = torch.empty((config.num_layers, config.num_kv_heads, top_k), dtype=torch.long)
+        selections: dict[int, torch.Tensor] = {}
 
         def ship_layer(layer: int, last_query: torch.Tensor) -> None:
             keys = cache.k[layer][:, slots].transpose(0, 1)  # [tokens, kv_heads, d]
             values = cache.v[layer][:, slots].transpose(0, 1)
             handles.append(self.client.write_layer(request_id, layer, pack_layer(keys, values, layout.block_size).cpu()))
-            if top_k:
-                summaries = summarize_layer(keys, layout.block_size, layout.summary_kind)  # as the store keeps them
-                scores = rank_blocks(last_query, summaries[:, candidates.start : candidates.stop], config.softmax_scale,
-                                     ranking_radius_weight(layout.summary_kind))
-                window = config.sliding_window[layer]
-                if window is not None:
-                    # Blocks this sliding layer's first decode query (at num_tokens) cannot see rank
-                    # last; the decode node drops them from the selection.
-                    hidden = first_visible_block(num_tokens, window, layout.block_size) - candidates.start
-                    scores[:, : max(0, hidden)] = float("-inf")
-                selection[layer] = torch.topk(scores, top_k, dim=-1).indices + candidates.start
+            summaries = summarize_layer(keys, layout.block_size, layout.summary_kind)  # as the store keeps them
+            selections[layer] = first_working_set(
+                last_query, summaries, num_tokens, layout.block_size, excluded_head_blocks, excluded_tail_blocks,
+                budget_blocks, config.sliding_window[layer], config.softmax_scale,
+                ranking_radius_weight(layout.summary_kind))
 
         backend = _CapturingAttention(cache, config.sliding_window, config.softmax_scale, ship_layer)
         try:
@@ -149,9 +166,13 @@ class Prefiller:
             first_logprob = None if params.logprobs is None else token_logprobs(logits, [first], params.logprobs)[0]
             for handle in handles:
                 handle.wait()
-        except BaseException:
-            self.client.free(request_id)
+        except BaseException as error:
+            try:
+                self.client.free(request_id)
+            except Exception as free_error:  # a store that is down: the caller needs the first error, not this one
+                log.warning("prefill of %s stopped (%r) and its store free failed too: %r", request_id, error, free_error)
             raise
+        selection = torch.stack([selections[layer] for layer in range(config.num_layers)])
         self.client.release(request_id)  # the decode node takes it over; its free reuses the memory at once
         written = num_blocks * config.num_layers * config.num_kv_heads * layout.unit_bytes
         return PrefillResult(request_id, list(prompt_ids), first, layout, selection, written, first_logprob)

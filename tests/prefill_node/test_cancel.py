@@ -96,3 +96,23 @@ def _wait_for(condition, timeout_s: float = 60.0) -> None:
         time.sleep(0.005)
 
 
+
+
+def test_a_store_that_went_away_does_not_hide_why_the_prefill_stopped(smollm2_llm, caplog):
+    """The free after a cancelled (or failed) prefill fails too when its store is down: the
+    caller got the free's StoreUnavailable instead of PrefillCancelled."""
+    server = KVStoreServer(capacity_bytes=64 * 2**20, prefault=False, transport="tcp")
+    server.start()
+    prompt = smollm2_llm.encode(stdlib_source("argparse.py"))[:1024]
+    chunks_run = []
+
+    def cancelled() -> bool:
+        chunks_run.append(len(chunks_run))
+        if len(chunks_run) == 2:
+            server.stop()  # the store goes away while the prefill runs
+        return len(chunks_run) > 2
+
+    prefiller = Prefiller(smollm2_llm.model, connect(server.address, transport="tcp"), chunk_tokens=256)
+    with pytest.raises(PrefillCancelled, match="cancelled"):
+        prefiller.prefill("orphan", prompt, cancelled=cancelled)
+    assert "its store free failed too" in caplog.text
