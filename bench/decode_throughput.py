@@ -18,8 +18,9 @@ Setup (not timed as decode):
   computes). For every mode run the prompts are written to the store under fresh request ids
   (the decode engine frees a request's store memory when it finishes).
 - The device KV pool (`kv_pool_gb`) is the same for every mode of a context length, sized so
-  `dense` (which holds every request's whole KV) fits at most --dense-fit requests (4) at once;
-  the others wait for a free slot, as on a GPU whose HBM is full.
+  `dense` (which holds every request's whole KV) fits at most --dense-fit requests (4) at once,
+  however short its shorter prompts (`dense_fit_pool_rows`); the others wait for a free slot, as
+  on a GPU whose HBM is full.
 
 Measured per mode (the decode engine's own counters plus timers around its parts):
 - generated tokens/s = decode-generated tokens (the prefill's first token excluded) / wall
@@ -39,7 +40,8 @@ Measured per mode (the decode engine's own counters plus timers around its parts
   (`--timing wall` leaves it out: on a GPU its timers synchronize the device several times a
   layer, which costs the overlap of host and kernels that serving has).
 Ratios: lookahead / dense and sparse-current / dense tokens/s, and dense / mode KV moved per
-request. Medians over --repeats (interleaved runs of the modes). Goal: lookahead >= 2x dense
+request. Median tokens/s over --repeats (interleaved runs of the modes); every other number of a
+mode from its median run (`fields_from_run` in the JSON). Goal: lookahead >= 2x dense
 tokens/s and >= 6x less KV moved per request.
 Writes bench/results/decode_throughput_<model>.json and a PNG.
 """
@@ -60,6 +62,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
@@ -68,21 +71,22 @@ sys.path.insert(0, str(ROOT.parent))
 import oasiskv.decode_node.engine as engine_module  # noqa: E402
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
 from oasiskv.decode_node.engine import DecodeEngine  # noqa: E402
-from oasiskv.decode_node.lookahead import select_blocks  # noqa: E402
 from oasiskv.decode_node.draft_model import build_drafter  # noqa: E402
 from oasiskv.decode_node.speculative import DrafterMismatch  # noqa: E402
 from oasiskv.kvstore import connect, ranking_radius_weight  # noqa: E402
 from oasiskv.models.device import require_device  # noqa: E402
 from oasiskv.models.errors import ModelError  # noqa: E402
 from oasiskv.models.sampling import SamplingParams  # noqa: E402
-from oasiskv.prefill_node.prefill import PrefillResult, kv_layout_for  # noqa: E402
+from oasiskv.prefill_node.prefill import PrefillResult, first_working_set, kv_layout_for  # noqa: E402
 
 from bench.common import (  # noqa: E402
+    at_least,
     decode_overrides,
     grouped_bar_positions,
     label_context_axes,
     parse_mode,
     real_text_token_ids,
+    token_counts,
     write_results,
 )
 from bench.lookahead_accuracy import BLOCK, DenseContext, load_llm  # noqa: E402
@@ -133,11 +137,14 @@ class PromptSet:
     """Prompts ids[:L] (prefixes of one long text) whose prefill comes from one dense pass."""
 
     def __init__(self, ctx: DenseContext, layout, sinks: int, window: int):
+        """sinks, window: the decode node's sink and window blocks (resident anyway, so the first
+        working set leaves them out, as the prefill node's excluded head and tail blocks)."""
         self.ctx = ctx
         self.layout = layout
         self.sinks, self.window = sinks, window
         model = ctx.model
         self.num_layers = model.config.num_layers
+        self.sliding_windows = model.config.sliding_window  # per layer, None where it attends to all
         # The prefill node scores its own exact float32 summaries, not the store's narrowed ones.
         self.summaries = [ctx.summaries(layer, len(ctx.ids), torch.float32, layout.summary_kind)
                           for layer in range(self.num_layers)]
@@ -153,14 +160,13 @@ class PromptSet:
         return self._first[length]
 
     def selection(self, length: int, budget_blocks: int) -> torch.Tensor:
-        """[layers, kv_heads, k] first working set from the last prompt row's queries (as Prefiller),
-        in host memory as Prefiller hands it over."""
-        num_blocks = length // BLOCK
-        start, stop = self.sinks, max(self.sinks, num_blocks - self.window)
+        """[layers, kv_heads, k] first working set from the last prompt row's queries, by the
+        prefill node's own `first_working_set`."""
         query = self.ctx.queries[length - 1]
         scale = self.ctx.model.config.softmax_scale
-        return torch.stack([select_blocks(query[layer][None], self.summaries[layer], start, stop, budget_blocks, scale,
-                                          self.radius_weight).cpu()
+        return torch.stack([first_working_set(query[layer][None], self.summaries[layer], length, BLOCK, self.sinks,
+                                              self.window, budget_blocks, self.sliding_windows[layer], scale,
+                                              self.radius_weight)
                             for layer in range(self.num_layers)])
 
     def write(self, client, request_id: str, length: int, budget_blocks: int) -> PrefillResult:
@@ -336,13 +342,20 @@ def breakdown(t: dict) -> dict:
 
 
 # -- one mode run ---------------------------------------------------------------------------------
+def decode_config(args, label: str, pool_gb: float, num_requests: int) -> DecodeConfig:
+    """The decode engine's config for one run of mode `label` (main checks every label's before
+    the model loads, with a stand-in pool: a bad variant or option then fails in seconds)."""
+    mode, variant = parse_mode(label, MODES)
+    return DecodeConfig(mode=mode, kv_pool_gb=pool_gb, budget_tokens=args.budget_tokens,
+                        num_draft_tokens=args.num_draft_tokens, sink_blocks=args.sink_blocks,
+                        window_blocks=args.window_blocks, max_num_seqs=max(32, num_requests), device=args.device,
+                        **decode_overrides(args, OVERRIDES, variant))
+
+
 def run_mode(llm, client, prompts: PromptSet, label: str, lengths: list[int], args, pool_gb: float, tag: str,
              drafter) -> dict:
     mode, variant = parse_mode(label, MODES)
-    config = DecodeConfig(mode=mode, kv_pool_gb=pool_gb, budget_tokens=args.budget_tokens,
-                          num_draft_tokens=args.num_draft_tokens, sink_blocks=args.sink_blocks,
-                          window_blocks=args.window_blocks, max_num_seqs=max(32, len(lengths)), device=args.device,
-                          **decode_overrides(args, OVERRIDES, variant))
+    config = decode_config(args, label, pool_gb, len(lengths))
     engine = DecodeEngine(llm.model, llm.tokenizer, client, config, drafter=drafter)
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     ids = [f"{tag}-{label}-{i}" for i in range(len(lengths))]
@@ -391,6 +404,21 @@ def dense_rows(length: int, new_tokens: int, k: int) -> int:
     return -(-(length + new_tokens + k + 1) // BLOCK) + 1  # DecodeEngine.row_plan for dense
 
 
+def dense_fit_pool_rows(request_rows: list[int], dense_fit: int) -> int:
+    """Pool rows in which dense (each request holding `request_rows[i]` rows) runs at most
+    `dense_fit` of these requests at once, and always the largest alone.
+
+    `dense_fit` x the largest alone let more in when the prompts differ much in length (6 prompts of
+    1024..384 tokens: 5 ran at once in a pool sized for 4). Any dense_fit + 1 of them need at least
+    the rows of the dense_fit + 1 smallest, so one row fewer keeps every such group out. Only where
+    that is below the largest request (dense_fit 1 and two small prompts) can more fit."""
+    largest = max(request_rows)
+    rows = dense_fit * largest
+    if len(request_rows) > dense_fit:
+        rows = min(rows, sum(sorted(request_rows)[: dense_fit + 1]) - 1)
+    return max(rows, largest)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="default qwen2.5-coder-0.5b (--quick: smollm2-135m)")
@@ -398,29 +426,33 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda or cuda:N: where the model, the prefill pass and the decode node's KV pool "
                              "live (the store stays in host memory, in its own process)")
-    parser.add_argument("--contexts", default=None, help="comma-separated (default 8192,16384; quick 2048,4096)")
-    parser.add_argument("--requests", type=int, default=8, help="concurrent requests per context")
-    parser.add_argument("--prompt-step", type=int, default=64,
+    parser.add_argument("--contexts", default=None, type=lambda text: token_counts(text, multiple_of=BLOCK),
+                        help="comma-separated multiples of 16 (default 8192,16384; quick 2048,4096)")
+    parser.add_argument("--requests", type=at_least(1), default=8, help="concurrent requests per context")
+    parser.add_argument("--prompt-step", type=at_least(BLOCK), default=64,
                         help="tokens between the prompt lengths of a context's requests (a multiple of 16)")
-    parser.add_argument("--new-tokens", type=int, default=None, help="tokens per request (default 128, quick 32)")
-    parser.add_argument("--budget-tokens", type=int, default=None, help="default 2048 (quick 512)")
-    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    # One token is the prefill's alone: no decode step, nothing to measure.
+    parser.add_argument("--new-tokens", type=at_least(2), default=None,
+                        help="tokens per request, the prefill's first one included (default 128, quick 32)")
+    parser.add_argument("--budget-tokens", type=at_least(BLOCK), default=None,
+                        help="a multiple of 16 (default 2048, quick 512)")
+    parser.add_argument("--num-draft-tokens", type=at_least(0), default=3, help="below 16 (the block size)")
     parser.add_argument("--drafter", default="ngram",
                         help="'ngram' (prompt lookup) or a draft model sharing the target's tokenizer, e.g. "
                              "qwen2.5-coder-0.5b with --model qwen2.5-coder-1.5b (DecodeConfig.drafter)")
-    parser.add_argument("--sink-blocks", type=int, default=1)
-    parser.add_argument("--window-blocks", type=int, default=4)
-    parser.add_argument("--dense-fit", type=int, default=4, help="requests the pool holds in dense mode")
+    parser.add_argument("--sink-blocks", type=at_least(0), default=1)
+    parser.add_argument("--window-blocks", type=at_least(1), default=4)
+    parser.add_argument("--dense-fit", type=at_least(1), default=4, help="requests the pool holds in dense mode")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="comma-separated; a mode may carry variants run beside it: lookahead+topup4, lookahead+rate0.01, "
                         "lookahead+depth0.5, lookahead+group1 (bench.common.MODE_VARIANTS)")
-    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every mode; medians reported")
-    parser.add_argument("--offset", type=int, default=0, help="start of the text, in lines / 37 (bench.common)")
+    parser.add_argument("--repeats", type=at_least(1), default=1, help="interleaved runs of every mode; medians reported")
+    parser.add_argument("--offset", type=at_least(0), default=0, help="start of the text, in lines / 37 (bench.common)")
     parser.add_argument("--max-replace-fraction", type=float, default=None,
                         help="budget share one step may replace (default: DecodeConfig's)")
-    parser.add_argument("--lookahead-topup-blocks", type=int, default=None,
+    parser.add_argument("--lookahead-topup-blocks", type=at_least(0), default=None,
                         help="lookahead's on-demand top-up per layer and KV head (default: DecodeConfig's, 0)")
-    parser.add_argument("--lookahead-layer-group", type=int, default=None,
+    parser.add_argument("--lookahead-layer-group", type=at_least(1), default=None,
                         help="layers whose look-ahead selection runs together (default: DecodeConfig's)")
     parser.add_argument("--attention-kernel", default=None, choices=["auto", "torch", "triton"],
                         help="how every mode attends over its resident KV (default: DecodeConfig's)")
@@ -433,19 +465,37 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "results"))
     args = parser.parse_args(argv)
+    # `is None`: an explicit value, 0 included, is the user's (argparse has checked its range).
     args.model = args.model or ("smollm2-135m" if args.quick else "qwen2.5-coder-0.5b")
-    args.new_tokens = args.new_tokens or (32 if args.quick else 128)
-    args.budget_tokens = args.budget_tokens or (512 if args.quick else 2048)
-    contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else ([2048, 4096] if args.quick else [8192, 16384])
-    if any(c % BLOCK for c in contexts) or args.prompt_step <= 0 or args.prompt_step % BLOCK:
-        parser.error("contexts and --prompt-step must be positive multiples of 16")
+    if args.new_tokens is None:
+        args.new_tokens = 32 if args.quick else 128
+    if args.budget_tokens is None:
+        args.budget_tokens = 512 if args.quick else 2048
+    contexts = args.contexts or ([2048, 4096] if args.quick else [8192, 16384])
+    if args.prompt_step % BLOCK:
+        parser.error(f"--prompt-step must be a multiple of {BLOCK}, got {args.prompt_step}")
+    if args.budget_tokens % BLOCK:
+        parser.error(f"--budget-tokens must be a multiple of {BLOCK}, got {args.budget_tokens}")
+    k = args.num_draft_tokens
+    if k >= BLOCK:
+        parser.error(f"--num-draft-tokens must be below {BLOCK} (drafts spill into one block at most), got {k}")
     modes = args.modes.split(",")
+    if len(set(modes)) < len(modes):
+        parser.error(f"--modes names a mode twice: {args.modes}")
     for label in modes:
         try:
-            parse_mode(label, MODES)
-        except ValueError as error:
-            parser.error(str(error))
-    k = args.num_draft_tokens
+            decode_config(args, label, 1.0, args.requests)  # any pool: only the options are checked here
+        except ValidationError as error:  # (a ValueError too: caught first)
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in error.errors())
+            parser.error(f"--modes {label} with these options: {problems}")
+        except ValueError as error:  # an unknown mode or variant
+            parser.error(f"--modes: {error}")
+    lengths = {c: [c - args.prompt_step * i for i in range(args.requests)] for c in contexts}
+    shortest_allowed = 4 * BLOCK * (args.window_blocks + 2)
+    if min(min(v) for v in lengths.values()) < shortest_allowed:
+        parser.error(f"--contexts {min(contexts)} is too short for --requests {args.requests} at --prompt-step "
+                     f"{args.prompt_step}: the shortest prompt would be {min(lengths[min(contexts)])} tokens, "
+                     f"below {shortest_allowed} (4 x (--window-blocks + 2) blocks)")
     try:
         require_device(args.device)
     except ValueError as error:
@@ -462,10 +512,10 @@ def main(argv=None) -> int:
                                 next(model.parameters()).dtype)
     except (DrafterMismatch, ModelError) as error:
         parser.error(f"--drafter {args.drafter}: {error}")
-    lengths = {c: [c - args.prompt_step * i for i in range(args.requests)] for c in contexts}
-    if min(min(v) for v in lengths.values()) < 4 * BLOCK * (args.window_blocks + 2):
-        parser.error("contexts too short for that many requests")
-    ids = real_text_token_ids(llm, max(contexts), offset=args.offset)
+    try:
+        ids = real_text_token_ids(llm, max(contexts), offset=args.offset)
+    except ValueError as error:  # the text from --offset on is shorter than the longest context
+        parser.error(f"--offset {args.offset} with --contexts {max(contexts)}: {error}")
     keep = {length - 1 for v in lengths.values() for length in v}
     with tqdm(total=len(ids), desc="prefill: one dense pass", unit="tok") as bar:
         ctx = DenseContext(model, ids, keep, progress=bar)
@@ -494,7 +544,8 @@ def main(argv=None) -> int:
         with tqdm(total=total, desc="mode runs") as bar:
             for context in contexts:
                 row_bytes = layout.num_layers * layout.num_kv_heads * layout.unit_bytes
-                pool_rows = args.dense_fit * dense_rows(context, args.new_tokens, k)
+                pool_rows = dense_fit_pool_rows([dense_rows(length, args.new_tokens, k) for length in lengths[context]],
+                                                args.dense_fit)
                 pool_gb = (pool_rows + 0.5) * row_bytes / 2**30
                 runs = {m: [] for m in modes}
                 for r in range(args.repeats):
@@ -515,12 +566,27 @@ def main(argv=None) -> int:
     return 0
 
 
+MEDIAN_RUN_NOTE = ("tokens_per_s (and speedup_vs_dense) is the median over the repeats, with an even number of them "
+                   "the mean of the two middle runs; every other field comes from the single run fields_from_run "
+                   "(its index in tokens_per_s_all): the median run by tokens/s, the upper middle one when even")
+
+
+def median_run(reps: list[dict]) -> int:
+    """Index of the run whose fields stand for a mode: the median by tokens/s, and with an even
+    number of runs the upper middle one (no run has the two middle ones' mean)."""
+    by_speed = sorted(range(len(reps)), key=lambda i: reps[i]["tokens_per_s"])
+    return by_speed[len(reps) // 2]
+
+
 def summarize_context(context: int, lengths: list[int], pool_gb: float, runs: dict) -> dict:
     modes = {}
     for mode, reps in runs.items():
-        best = sorted(reps, key=lambda r: r["tokens_per_s"])[len(reps) // 2]  # the median run
+        index = median_run(reps)
+        # Bytes, steps, timings and outputs all from one run, so they agree with each other; only
+        # tokens/s is the true median, and the JSON says which run the rest is.
         # Every run's time breakdown too, so an outlier run (a cold first run, a noisy neighbour) can be told apart.
-        modes[mode] = {**best, "tokens_per_s_all": [r["tokens_per_s"] for r in reps],
+        modes[mode] = {**reps[index], "fields_from_run": index, "fields_from_run_note": MEDIAN_RUN_NOTE,
+                       "tokens_per_s_all": [r["tokens_per_s"] for r in reps],
                        "breakdown_s_all": [r["breakdown_s"] for r in reps],
                        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in reps)}
     dense = modes.get("dense")
