@@ -687,7 +687,8 @@ def print_text(results: dict, text: dict) -> None:
                   if r["summary_kind"] == results["summary_kinds"][0]}
         for r in ideal:
             b = r["budget_tokens"]
-            extra = "" if b is None else f"   {engine.get(('lookahead', b), float('nan')):.4f} / {engine.get(('sparse-current', b), float('nan')):.4f}"
+            extra = "" if b is None else "   " + " / ".join(
+                f"{engine[(mode, b)]:.4f}" if (mode, b) in engine else "-" for mode in ("lookahead", "sparse-current"))
             print(f"{r['rule']:<8}{str(b or '-'):>7}{r['top1_agreement']:>11.2%}{r['perplexity']:>9.4f}{r['perplexity_ratio']:>10.4f}{extra}")
 
 
