@@ -2,8 +2,14 @@
 request pulled into the decode node at admission) vs `lookahead` (OasisKV), same pools, the
 same fixed set of long-context requests.
 
-    python bench/pd_throughput.py            # smollm2-135m, 8 requests x 3,000 prompt tokens, 64 output tokens
-    python bench/pd_throughput.py --quick    # 4 requests
+    python bench/pd_throughput.py            # smollm2-135m, 8 requests x 3,000 prompt tokens, 512 output tokens
+    python bench/pd_throughput.py --quick    # 3 requests x 1,500 prompt tokens, 192 output tokens, budget 512
+
+The prefills run one after another on the one prefill worker, so the decodes overlap (and the
+pool limits dense) only where a decode lasts longer than the prefills between two requests: at
+64 output tokens behind 3,000-token prompts, one request decoded at a time in both modes and the
+ratio measured the prefill. The table gives the peak of requests decoding at once, and warns
+where the pool never limited dense.
 
 What runs: for each mode, one real server (`BackgroundServer`: uvicorn on a thread of this
 process, Ray, a NIXL KV store actor, one prefill actor, one decode actor), started, loaded,
@@ -63,7 +69,7 @@ sys.path.insert(0, str(ROOT.parent))
 import openai  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from bench.common import latency_summary, stdlib_text, write_results  # noqa: E402
+from bench.common import at_least, latency_summary, stdlib_text, write_results  # noqa: E402
 from oasiskv.cluster.config import ServeConfig  # noqa: E402
 from oasiskv.cluster.server import BackgroundServer  # noqa: E402
 from oasiskv.decode_node.config import DecodeConfig  # noqa: E402
@@ -286,7 +292,7 @@ def _first_diff(a: str, b: str) -> int | None:
 def print_table(results: dict) -> None:
     s = results["summary"]
     modes = s["modes"]
-    print(f"\n{results['model']}: {results['num_requests']} concurrent requests x {results['prompt_tokens']} prompt "
+    print(f"\n{results['model']}: {results['num_requests']} requests sent at once x {results['prompt_tokens']} prompt "
           f"tokens -> {results['max_tokens']} tokens; pool {results['kv_pool_gb'] * 1024:.0f} MiB, store "
           f"{results['store_capacity_gb'] * 1024:.0f} MiB, budget {results['budget_tokens']}, k={results['num_draft_tokens']}; "
           f"runs per mode: {results['repeats']}")
@@ -315,6 +321,11 @@ def print_table(results: dict) -> None:
         cells = [("-" if v is None else format(v * scale if scale != 1 else v, fmt)) for v in (d, l)]
         ratio = f"{l / d:.3f}" if d and l is not None else "-"
         print(f"{label:<28}{cells[0]:>12}{cells[1]:>12}{ratio:>12}")
+    dense = modes["dense"]
+    if dense["peak_running"] < min(dense["requests_the_pool_holds"], results["num_requests"]):
+        print(f"warning: at most {dense['peak_running']} dense request(s) decoded at once, so the pool never held "
+              "dense back: the decodes ended before the next prefills (one prefill worker) were done, and the "
+              "ratios measure the prefill more than the decode; raise --max-tokens")
     print(f"greedy outputs identical: {s['outputs_identical']}/{s['outputs_compared']} "
           f"(budget {results['budget_tokens']} tokens vs {results['prompt_tokens']}-token prompts)")
 
@@ -344,7 +355,7 @@ def _plot(results: dict, axes) -> None:
         ax.set_title(title, fontsize=10)
     axs[4].axhline(modes["dense"]["pool_bytes"] / MIB, color="k", ls="--", lw=1, label="pool size")
     axs[4].legend(fontsize=8)
-    fig.text(0.5, 0.005, f"{results['model']}, {results['num_requests']} concurrent requests x {results['prompt_tokens']} "
+    fig.text(0.5, 0.005, f"{results['model']}, {results['num_requests']} requests sent at once x {results['prompt_tokens']} "
              f"prompt tokens -> {results['max_tokens']} tokens, budget {results['budget_tokens']}", ha="center", fontsize=8)
 
 
@@ -353,21 +364,34 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--num-requests", type=int, default=None, help="default 8 (--quick: 4)")
-    parser.add_argument("--prompt-tokens", type=int, default=3000)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--num-requests", type=at_least(1), default=None, help="default 8 (--quick: 3)")
+    parser.add_argument("--prompt-tokens", type=at_least(1), default=None, help="default 3000 (--quick: 1500)")
+    parser.add_argument("--max-tokens", type=at_least(2), default=None,
+                        help="output tokens per request, the prefill's first included (default 512, --quick: 192)")
     parser.add_argument("--kv-pool-gb", type=float, default=None,
                         help="decode pool, both modes (default: holds --dense-fit dense requests)")
-    parser.add_argument("--dense-fit", type=int, default=2, help="dense requests the default pool holds at once")
-    parser.add_argument("--budget-tokens", type=int, default=1024)
-    parser.add_argument("--num-draft-tokens", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=1, help="server runs per mode (alternating); median run reported")
+    parser.add_argument("--dense-fit", type=at_least(1), default=2, help="dense requests the default pool holds at once")
+    parser.add_argument("--budget-tokens", type=at_least(16), default=None,
+                        help="a multiple of 16 (default 1024, --quick: 512: a third of the prompt either way)")
+    parser.add_argument("--num-draft-tokens", type=at_least(0), default=3)
+    parser.add_argument("--repeats", type=at_least(1), default=1, help="server runs per mode (alternating); median run reported")
     parser.add_argument("--poll-s", type=float, default=0.5, help="stats sampling interval")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--tag", default="", help="suffix of the result files' name")
     parser.add_argument("--out", default=str(ROOT / "results"))
     args = parser.parse_args(argv)
-    args.num_requests = args.num_requests or (4 if args.quick else 8)
+    # `is None`: an explicit value is the user's (a 0 silently meant the default).
+    defaults = {"num_requests": (3, 8), "prompt_tokens": (1500, 3000), "max_tokens": (192, 512),
+                "budget_tokens": (512, 1024)}
+    for name, (quick, full) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if args.kv_pool_gb is not None and not args.kv_pool_gb > 0:
+        parser.error(f"--kv-pool-gb must be positive, got {args.kv_pool_gb}")
+    if not args.poll_s > 0:
+        parser.error(f"--poll-s must be positive, got {args.poll_s}")
+    if args.budget_tokens % 16:
+        parser.error(f"--budget-tokens must be a multiple of 16, got {args.budget_tokens}")
 
     started = time.perf_counter()
     model_dir = resolve_model(args.model)
@@ -385,7 +409,7 @@ def main(argv=None) -> int:
                                args.prompt_tokens, args.max_tokens)
     look_cfg = DecodeConfig(mode="lookahead", budget_tokens=args.budget_tokens, num_draft_tokens=args.num_draft_tokens)
     look_rows = geometry.rows(look_cfg, args.prompt_tokens, args.max_tokens)
-    pool_gb = args.kv_pool_gb or (args.dense_fit * dense_rows + 0.5) * geometry.row_bytes / 2**30
+    pool_gb = args.kv_pool_gb if args.kv_pool_gb is not None else (args.dense_fit * dense_rows + 0.5) * geometry.row_bytes / 2**30
     pool_rows = int(pool_gb * 2**30) // geometry.row_bytes
     if pool_rows < max(dense_rows, look_rows):
         parser.error(f"a pool of {pool_rows} rows cannot hold one request ({dense_rows} rows dense, {look_rows} lookahead)")
