@@ -268,13 +268,20 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="generate", disable=not use_tqdm)
         started = time.perf_counter()
-        while self.has_unfinished:
-            for out in self.step():
-                if out.finished:
-                    final[out.request_id] = out
-                    self._sequences.pop(out.request_id, None)
-                    bar.update(1)
-        bar.close()
+        try:
+            while self.has_unfinished:
+                for out in self.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        self._sequences.pop(out.request_id, None)
+                        bar.update(1)
+        except BaseException:
+            # Left in the scheduler, they would hold KV blocks and make every later call fail the same way.
+            for request_id in order:
+                self.abort(request_id)
+            raise
+        finally:
+            bar.close()
         self.last_generate_seconds = time.perf_counter() - started
         return [final[rid] for rid in order]
 

@@ -3,8 +3,19 @@
 A step is either a prefill step (prompt chunks of waiting sequences, up to
 `max_num_batched_tokens`) or a decode step (one token for every running sequence). Prefill goes
 first so new requests start quickly; a long prompt is split across steps (chunked prefill).
-When the cache runs out during decode, the newest running sequence is preempted: its blocks are
-freed and it is recomputed later from its prompt and the tokens it already produced.
+
+When a running sequence needs a block and none is free, blocks are taken back, cheapest loss first:
+- the last blocks of partly prefilled waiting sequences, newest first: nothing was sampled from
+  them yet, and only the chunks in those blocks are prefilled again;
+- then the newest running sequence is preempted: its blocks are freed and it goes back to the
+  front of the queue, to be recomputed from its prompt and the tokens it already produced.
+
+This keeps the engine from stalling. Only the last sequence of a prefill step can stop partway
+(those before it took all their tokens), and a preemption comes only once no waiting sequence
+holds blocks, so at most the front of the queue holds any. With nothing running it has the cache
+to itself, and every request fits that alone (`add` checks); the oldest running sequence, for the
+same reason, is never preempted. (Preempted sequences used to go in front of partly prefilled ones
+that kept their blocks, until the queue held the cache with nothing running and waited forever.)
 """
 
 from __future__ import annotations
@@ -54,6 +65,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        """The next step's batch; None only when no request is left (see the module's note)."""
         return self._schedule_prefill() or self._schedule_decode()
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
@@ -77,17 +89,36 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running:  # preempted below while making room
                 continue
-            while seq.blocks_needed(seq.num_tokens, self.block_size) > self.allocator.num_free:
+            needed = seq.blocks_needed(seq.num_tokens, self.block_size)
+            # Waiting chunks go before any running sequence: nothing was sampled from them yet,
+            # and a queue left holding blocks behind preempted sequences can stall for good.
+            self._reclaim_from_waiting(needed)
+            while needed > self.allocator.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
-                seq.block_table += self.allocator.allocate(seq.blocks_needed(seq.num_tokens, self.block_size))
+                seq.block_table += self.allocator.allocate(needed)
                 scheduled.append(seq)
         if not scheduled:
             return None
         return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False)
+
+    def _reclaim_from_waiting(self, num_blocks: int) -> None:
+        """Take the last blocks of partly prefilled waiting sequences, newest first, until
+        `num_blocks` are free. Only the chunks whose blocks are taken are prefilled again: the
+        K/V of the blocks kept stays valid, and they keep their place in the queue."""
+        for seq in reversed(self.waiting):
+            missing = num_blocks - self.allocator.num_free
+            if missing <= 0:
+                return
+            if not seq.block_table:
+                continue
+            kept = max(0, len(seq.block_table) - missing)
+            self.allocator.free(seq.block_table[kept:])
+            del seq.block_table[kept:]
+            seq.num_cached = min(seq.num_cached, kept * self.block_size)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
