@@ -16,13 +16,17 @@ import httpx
 import numpy as np
 
 from .arrivals import arrival_offsets
-from .datasets import build_requests
+from .datasets import TokenCounter, build_requests
 from .report import format_report, result_record, save_json
 from .runner import RunConfig, make_client, run_requests
-from .sse import RequestOptions, send_request
+from .sse import RequestOptions, count_unreported_output_tokens, send_request
 from .stats import parse_goodput, summarize, timeline
 
 MAX_PROMPTS = 1_000_000
+# Longer than any served model's context, so a prompt over it could only be refused by the
+# server; the whole dataset is held in memory before the run (several bytes a token).
+MAX_PROMPT_TOKENS = 1 << 20
+MAX_DATASET_TOKENS = 1 << 28
 
 
 def add_arguments_bench(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +63,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     data.add_argument("--files-output-len", type=int, default=256)
     data.add_argument("--jsonl-path", type=Path, help='prompts, one {"prompt": ..., "max_tokens": ...} a line')
     data.add_argument("--jsonl-output-len", type=int, default=128, help="max_tokens when a line has none")
-    data.add_argument("--tokenizer", help="tokenizer.json (or a directory with one) for exact prompt lengths")
+    data.add_argument("--tokenizer", help="tokenizer.json (or a directory with one) for exact prompt lengths, "
+                                          "and to count output tokens when the server reports no usage")
 
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=math.inf,
@@ -71,17 +76,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--temperature", type=float, default=0.0)
     load.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM/OasisKV extension)")
     load.add_argument("--no-stream-usage", action="store_true",
-                      help="do not send stream_options.include_usage (servers that reject it)")
-    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+                      help="do not send stream_options.include_usage (servers that reject it); output tokens "
+                           "are then counted with --tokenizer, or else one per chunk (a lower bound)")
+    load.add_argument("--request-timeout", type=float, default=600.0,
+                      help="seconds for each whole request, from sending it to its last byte (inf: no limit); "
+                           "a request still running then fails")
     load.add_argument("--max-duration", type=float, default=3600.0,
-                      help="seconds for the whole run; then unsent requests are dropped, the rest cancelled")
+                      help="seconds for the whole run; then requests in flight are cancelled (failed) and those "
+                           "not yet sent are not sent (reported apart)")
     load.add_argument("--skip-initial-test", action="store_true",
                       help="do not send one short request first to check the endpoint")
 
     out = p.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", metavar="KEY:MS",
                      help="SLOs for goodput, in ms: ttft:MS tpot:MS e2e:MS")
-    out.add_argument("--percentiles", default="90,99", help="latency percentiles to report, e.g. 50,90,99")
+    out.add_argument("--percentiles", default="90,99", help="latency percentiles to report (0-100), e.g. 50,90,99")
     out.add_argument("--save-result", action="store_true", help="write a JSON record and a PNG plot")
     out.add_argument("--result-dir", type=Path, default=Path("."))
     out.add_argument("--result-filename", help="default: bench-serve-<endpoint>-<dataset>-<time>.json")
@@ -112,11 +121,12 @@ def _check_args(args: argparse.Namespace) -> tuple[dict, list[float]]:
     for name in ("random_input_len", "random_output_len", "files_input_len", "files_output_len", "jsonl_output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    _check_input_lengths(args)
     try:
         percentiles = [float(p) for p in str(args.percentiles).split(",") if p.strip()]
     except ValueError as exc:
         raise ValueError(f"--percentiles must be numbers separated by commas, got {args.percentiles!r}") from exc
-    if any(not 0 < p < 100 for p in percentiles):
+    if any(not 0 <= p <= 100 for p in percentiles):  # what numpy.percentile takes, as vLLM's accepts
         raise ValueError("--percentiles must be between 0 and 100")
     malformed = [item for item in args.metadata if "=" not in item or item.startswith("=")]
     if malformed:
@@ -133,6 +143,23 @@ def _check_args(args: argparse.Namespace) -> tuple[dict, list[float]]:
     return parse_goodput(args.goodput), percentiles
 
 
+def _check_input_lengths(args: argparse.Namespace) -> None:
+    """Refuse prompts too long for any model before building them, which could take more memory
+    than the machine has."""
+    name, length = {"random": ("--random-input-len", args.random_input_len),
+                    "files": ("--files-input-len", args.files_input_len)}.get(args.dataset, (None, 0))
+    if name is None:
+        return
+    ratio = args.random_range_ratio if args.dataset == "random" and 0 <= args.random_range_ratio < 1 else 0.0
+    longest = int(length * (1 + ratio))
+    if longest > MAX_PROMPT_TOKENS:
+        raise ValueError(f"{name} {length} makes prompts of up to {longest} tokens; the limit is "
+                         f"{MAX_PROMPT_TOKENS} (longer than any model's context)")
+    if length * args.num_prompts > MAX_DATASET_TOKENS:
+        raise ValueError(f"{args.num_prompts} prompts of {length} tokens ({length * args.num_prompts} in all) are over "
+                         f"the {MAX_DATASET_TOKENS} tokens a run may hold in memory; send fewer or shorter prompts")
+
+
 async def _discover_model(config: RunConfig) -> str:
     async with make_client(config, 1) as client:
         response = await client.get("/v1/models")
@@ -146,7 +173,7 @@ async def _discover_model(config: RunConfig) -> str:
 async def _initial_test(config: RunConfig, request) -> str | None:
     probe = replace(request, max_tokens=min(request.max_tokens, 4))
     async with make_client(config, 1) as client:
-        result = await send_request(client, -1, probe, config.options, time.perf_counter())
+        result = await send_request(client, -1, probe, config.options, time.perf_counter(), config.request_timeout_s)
     return None if result.success else result.error
 
 
@@ -160,7 +187,8 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         slos, percentiles = _check_args(args)
         rng = np.random.default_rng(args.seed)
-        requests = build_requests(args, rng)
+        counter = TokenCounter(args.tokenizer)
+        requests = build_requests(args, rng, counter)
         offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, rng)
     except (ValueError, OSError) as exc:
         print(f"oasiskv bench serve: {exc}", file=sys.stderr)
@@ -186,6 +214,8 @@ async def _serve(args: argparse.Namespace) -> int:
 
     with _progress(len(requests), args.disable_tqdm) as bar:
         results, duration = await run_requests(requests, offsets, config, on_done=lambda _: bar.update(1))
+    if counter.exact:  # after the run: tokenizing between chunks would delay other requests' timestamps
+        count_unreported_output_tokens(results, counter.count)
 
     summary = summarize(results, duration, slos, percentiles)
     run_config = {
@@ -209,7 +239,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
             title = f"{config.options.model} @ {config.base_url} ({args.dataset}, rate {args.request_rate:g}/s)"
             print(f"plot:   {save_plot(results, series, title, path.with_suffix('.png'))}")
-    return 0 if summary["failed"] == 0 else 1
+    return 0 if summary["failed"] == 0 else 1  # requests left unsent by --max-duration are not failures
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -115,9 +115,17 @@ def file_requests(n: int, input_len: int, output_len: int, rng: np.random.Genera
     """Prompts of about `input_len` tokens of real source: consecutive files (in a seeded order),
     each under a `# file:` header, cut to length, followed by a question about them."""
     directory = Path(directory) if directory else default_files_dir()
-    files = sorted(p for p in directory.glob(pattern) if p.is_file())
+    root, relative = directory, pattern
+    if Path(pattern).is_absolute():
+        # An absolute pattern names its own folder, as a path joined to it would; Path.glob
+        # refuses one, so it is matched from the root it starts at.
+        root = Path(Path(pattern).anchor)
+        relative = str(Path(pattern).relative_to(root))
+    if not Path(relative).parts:  # "", ".", "/": Path.glob fails on these with an IndexError
+        raise ValueError(f"file pattern {pattern!r} names no files")
+    files = sorted(p for p in root.glob(relative) if p.is_file())
     if not files:
-        raise ValueError(f"no files match {pattern!r} in {directory}")
+        raise ValueError(f"no files match {pattern!r}" + ("" if Path(pattern).is_absolute() else f" in {directory}"))
     order = [files[i] for i in rng.permutation(len(files))]
     requests, cursor = [], 0
     for i in range(n):
@@ -159,8 +167,8 @@ def jsonl_requests(path: Path, n: int, default_output_len: int,
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
-def build_requests(args, rng: np.random.Generator) -> list[BenchRequest]:
-    counter = TokenCounter(args.tokenizer)
+def build_requests(args, rng: np.random.Generator, counter: TokenCounter | None = None) -> list[BenchRequest]:
+    counter = counter if counter is not None else TokenCounter(args.tokenizer)
     makers: dict[str, Callable[[], list[BenchRequest]]] = {
         "random": lambda: random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                           args.random_range_ratio, rng, counter),

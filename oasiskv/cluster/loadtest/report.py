@@ -36,6 +36,10 @@ def format_report(summary: dict, config: dict) -> str:
         _line("Max request concurrency:", config["max_concurrency"] or "unlimited", "{:<40} {}"),
         _line("Successful requests:", summary["completed"], "{:<40} {:<10}"),
         _line("Failed requests:", summary["failed"], "{:<40} {:<10}"),
+    ]
+    if summary["not_sent"]:
+        lines.append(_line("Not sent (--max-duration reached):", summary["not_sent"], "{:<40} {:<10}"))
+    lines += [
         _line("Benchmark duration (s):", summary["duration_s"]),
         _line("Total input tokens:", summary["total_input_tokens"], "{:<40} {:<10}"),
         _line("Total generated tokens:", summary["total_output_tokens"], "{:<40} {:<10}"),
@@ -47,8 +51,12 @@ def format_report(summary: dict, config: dict) -> str:
         slos = ", ".join(f"{k} <= {v:g} ms" for k, v in summary["goodput_slos_ms"].items())
         lines.append(_line("Request goodput (req/s):", summary["request_goodput"]))
         lines.append(_line("  SLOs:", slos, "{:<40} {}"))
-    if not summary["usage_reported"] and summary["completed"]:
-        lines.append("(token counts estimated: the server reported no usage)")
+    source = summary["output_tokens_source"]
+    if source == "tokenizer":
+        lines.append("(output tokens re-tokenized with --tokenizer: the server reported no usage)")
+    elif source == "chunks":
+        lines.append("(output tokens counted one per chunk, a lower bound: the server reported no usage; "
+                     "pass --tokenizer to count them)")
     for key, title, short in SECTIONS:
         lines.append("{s:{c}^{n}}".format(s=title, n=WIDTH, c="-"))
         lines.append(_line(f"Mean {short} (ms):", summary[f"mean_{key}_ms"]))
@@ -78,6 +86,7 @@ def result_record(summary: dict, config: dict, timeline: dict, results: Sequence
     requests = []
     for r in results:
         item = asdict(r)
+        del item["generated_text"]  # the record keeps measurements, not the model's answers
         item["tpot"] = r.tpot
         requests.append(item)
     return _clean({"config": config, "summary": summary, "timeline": timeline, "requests": requests})

@@ -16,6 +16,10 @@ import numpy as np
 from .datasets import BenchRequest
 from .sse import RequestOptions, RequestResult, send_request
 
+# Sockets besides the connections: stdio, the event loop's own, a tokenizer's files.
+_SPARE_FILE_DESCRIPTORS = 64
+_CONNECT_TIMEOUT_S = 10.0  # an address that never answers fails fast, not after --request-timeout
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -25,19 +29,41 @@ class RunConfig:
     request_rate: float = math.inf
     burstiness: float = 1.0
     max_concurrency: int | None = None
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0    # for each whole request; inf: no limit
     max_duration_s: float = 3600.0
 
 
-def make_client(config: RunConfig, connections: int) -> httpx.AsyncClient:
+def make_client(config: RunConfig, connections: int | None) -> httpx.AsyncClient:
+    """`connections` None: no limit, so no request ever waits for a pooled connection."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    # send_request bounds each whole request; httpx's limits apply to each read alone, so at the
+    # same value they never fire first and only guard the other calls (listing the models).
+    limit = config.request_timeout_s if math.isfinite(config.request_timeout_s) else None
     return httpx.AsyncClient(
         base_url=config.base_url,
         headers=headers,
         follow_redirects=False,
-        timeout=httpx.Timeout(config.request_timeout_s, connect=min(10.0, config.request_timeout_s)),
+        timeout=httpx.Timeout(limit, connect=_CONNECT_TIMEOUT_S if limit is None else min(_CONNECT_TIMEOUT_S, limit)),
         limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
     )
+
+
+def allow_open_files(needed: int) -> None:
+    """Raise this process's soft limit on open files towards `needed` (up to the hard limit):
+    with the common default of 1024, a run with more requests in flight would fail to
+    connect."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system: nothing to raise
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return
+    target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        pass  # the run goes on; the requests that cannot connect are counted as failed
 
 
 async def run_requests(requests: Sequence[BenchRequest], offsets: np.ndarray, config: RunConfig,
@@ -45,19 +71,31 @@ async def run_requests(requests: Sequence[BenchRequest], offsets: np.ndarray, co
                        ) -> tuple[list[RequestResult], float]:
     """Returns one result per request, in request order, and the benchmark's duration."""
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-    connections = min(len(requests), config.max_concurrency or len(requests), 1024) or 1
+    # The pool is never what limits concurrency: a request waiting there for a connection
+    # would count the wait in its TTFT, and the report would name a concurrency it did not have.
+    connections = min(len(requests), config.max_concurrency) if config.max_concurrency else None
+    allow_open_files((connections or len(requests)) + _SPARE_FILE_DESCRIPTORS)
     results: dict[int, RequestResult] = {}
 
     async with make_client(config, connections) as client:
         clock_zero = time.perf_counter()
         deadline = clock_zero + config.max_duration_s
 
+        async def send(index: int, request: BenchRequest) -> RequestResult:
+            try:
+                return await send_request(client, index, request, config.options, clock_zero,
+                                          config.request_timeout_s)
+            except Exception as exc:  # a client bug: reported against its request, not lost with the task
+                # (a task that died without a result read as cancelled by --max-duration)
+                return RequestResult(index=index, prompt_len=request.prompt_len, max_tokens=request.max_tokens,
+                                     error=f"client error: {type(exc).__name__}: {exc}")
+
         async def one(index: int, request: BenchRequest) -> None:
             if slots is not None:
                 async with slots:
-                    result = await send_request(client, index, request, config.options, clock_zero)
+                    result = await send(index, request)
             else:
-                result = await send_request(client, index, request, config.options, clock_zero)
+                result = await send(index, request)
             results[index] = result
             on_done(result)
 
@@ -81,7 +119,7 @@ async def run_requests(requests: Sequence[BenchRequest], offsets: np.ndarray, co
         if index not in results:
             sent = index < len(tasks)
             results[index] = RequestResult(
-                index=index, prompt_len=request.prompt_len, max_tokens=request.max_tokens,
+                index=index, prompt_len=request.prompt_len, max_tokens=request.max_tokens, sent=sent,
                 error="cancelled: --max-duration reached" if sent else "not sent: --max-duration reached")
             on_done(results[index])
         ordered.append(results[index])

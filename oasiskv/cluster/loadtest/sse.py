@@ -1,17 +1,25 @@
 """One streamed request to an OpenAI-compatible endpoint, timed chunk by chunk.
 
-A chunk that carries text is a token event: the first one gives the time to first token, the
-gaps between later ones the inter-token latencies (a chunk may hold several tokens when the
-server decodes speculatively, as OasisKV does; like `vllm bench serve`, a chunk is one ITL
-sample). Token counts come from the `usage` the server reports when asked
-(`stream_options.include_usage`), otherwise from the number of chunks.
+As in `vllm bench serve`, every chunk that carries a choice is a token event, even when its
+text is empty (a special token, or an end-of-sequence first token): the first one gives the time
+to first token, the gaps between later ones the inter-token latencies, and the last one the end
+of the request (a usage-only chunk and `[DONE]` after it carry no token). A chunk may hold
+several tokens when the server decodes speculatively, as OasisKV does; like vLLM, a chunk is one
+ITL sample. The one chunk that is not a token event is chat's opening role announcement.
+
+Output token counts come from the `usage` the server reports when asked
+(`stream_options.include_usage`). Without it the generated text is kept, and the caller
+re-tokenizes it when it has a tokenizer (`count_unreported_output_tokens`); otherwise the count
+is the number of token chunks, a lower bound.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import httpx
@@ -20,6 +28,7 @@ from .datasets import BenchRequest
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 _ERROR_BODY_CHARS = 300
+_EVENT_QUOTE_CHARS = 80
 
 
 @dataclass
@@ -30,6 +39,7 @@ class RequestResult:
     success: bool = False
     error: str = ""
     http_status: int = 0
+    sent: bool = True               # False: --max-duration ended the run before its send time
     start: float = math.nan         # seconds since the benchmark started
     ttft: float = math.nan
     e2e: float = math.nan
@@ -37,7 +47,9 @@ class RequestResult:
     chunk_times: list[float] = field(default_factory=list)  # seconds since the benchmark started
     output_tokens: int = 0
     usage_reported: bool = False
+    output_tokens_source: str = ""  # "usage", "tokenizer" or "chunks" (a lower bound)
     finish_reason: str | None = None
+    generated_text: str = ""
 
     @property
     def tpot(self) -> float:
@@ -58,6 +70,10 @@ class RequestOptions:
     stream_usage: bool = True
 
 
+class MalformedEvent(ValueError):
+    """A server-sent event that is JSON but not shaped like an OpenAI stream chunk."""
+
+
 def build_payload(request: BenchRequest, options: RequestOptions) -> dict:
     payload: dict = {"model": options.model, "max_tokens": request.max_tokens,
                      "temperature": options.temperature, "stream": True}
@@ -72,43 +88,99 @@ def build_payload(request: BenchRequest, options: RequestOptions) -> dict:
     return payload
 
 
-def _chunk_text(choice: dict, endpoint: str) -> str:
+def _quote(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= _EVENT_QUOTE_CHARS else text[:_EVENT_QUOTE_CHARS] + "..."
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_chunk(chunk, endpoint: str) -> None:
+    """Raises MalformedEvent unless `chunk` has the shape the timing below relies on."""
+    if not isinstance(chunk, dict):
+        raise MalformedEvent(f"expected a JSON object, got {_quote(chunk)}")
+    choices = chunk.get("choices")
+    # null is read as no choices, as vLLM reads it; any other non-list is not a chunk
+    if choices is not None and not (isinstance(choices, list) and all(isinstance(c, dict) for c in choices)):
+        raise MalformedEvent(f'"choices" must be a list of objects, got {_quote(choices)}')
+    for choice in choices or []:
+        if endpoint == "chat":
+            delta = choice.get("delta")
+            if delta is not None and not isinstance(delta, dict):
+                raise MalformedEvent(f'"delta" must be an object, got {_quote(delta)}')
+            texts = {key: (delta or {}).get(key) for key in ("content", "reasoning_content")}
+        else:
+            texts = {"text": choice.get("text")}
+        for key, text in texts.items():
+            if text is not None and not isinstance(text, str):
+                raise MalformedEvent(f'"{key}" must be a string, got {_quote(text)}')
+    usage = chunk.get("usage")
+    if usage is not None:
+        if not isinstance(usage, dict):
+            raise MalformedEvent(f'"usage" must be an object, got {_quote(usage)}')
+        for key in ("prompt_tokens", "completion_tokens"):
+            if usage.get(key) is not None and not _is_count(usage[key]):
+                raise MalformedEvent(f'"usage.{key}" must be a count, got {_quote(usage[key])}')
+
+
+def _choice_tokens(choice: dict, endpoint: str) -> tuple[bool, str]:
+    """(whether the choice is a token event, its text)."""
     if endpoint == "chat":
         delta = choice.get("delta") or {}
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-    return choice.get("text") or ""
+        text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+        # Chat streams open with a chunk that only names the assistant's role, sent before any
+        # token exists; timing it would make TTFT the server's acknowledgement.
+        role_only = "role" in delta and not text and not choice.get("finish_reason")
+        return not role_only, text
+    return True, choice.get("text") or ""
 
 
 async def send_request(client: httpx.AsyncClient, index: int, request: BenchRequest,
-                       options: RequestOptions, clock_zero: float) -> RequestResult:
-    """Send one streamed request; never raises for server or network errors (they are results)."""
+                       options: RequestOptions, clock_zero: float,
+                       timeout_s: float | None = None) -> RequestResult:
+    """Send one streamed request; never raises for server or network errors, malformed events
+    or running past `timeout_s` (seconds for the whole request, from sending it to its last
+    byte): they are failed results."""
     result = RequestResult(index=index, prompt_len=request.prompt_len, max_tokens=request.max_tokens)
     started = time.perf_counter()
     result.start = started - clock_zero
     chunks, last, done = 0, started, False
+    text_parts: list[str] = []
+    total_limit = timeout_s if timeout_s is not None and math.isfinite(timeout_s) else None
     try:
-        async with client.stream("POST", ENDPOINT_PATHS[options.endpoint],
-                                 json=build_payload(request, options)) as response:
-            result.http_status = response.status_code
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                result.error = f"HTTP {response.status_code}: {body[:_ERROR_BODY_CHARS]}"
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue  # blank separators, `:` keep-alive comments, event names
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    error = chunk["error"]
-                    result.error = "stream error: " + (error.get("message", str(error)) if isinstance(error, dict) else str(error))
+        async with asyncio.timeout(total_limit):
+            async with client.stream("POST", ENDPOINT_PATHS[options.endpoint],
+                                     json=build_payload(request, options)) as response:
+                result.http_status = response.status_code
+                if response.status_code != 200:
+                    body = (await response.aread()).decode(errors="replace")
+                    result.error = f"HTTP {response.status_code}: {body[:_ERROR_BODY_CHARS]}"
                     return result
-                now = time.perf_counter()
-                for choice in chunk.get("choices") or []:
-                    if _chunk_text(choice, options.endpoint):
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, `:` keep-alive comments, event names
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    chunk = json.loads(data)
+                    if isinstance(chunk, dict) and chunk.get("error") is not None:
+                        error = chunk["error"]
+                        result.error = "stream error: " + (
+                            str(error.get("message", error)) if isinstance(error, dict) else str(error))
+                        return result
+                    _check_chunk(chunk, options.endpoint)
+                    now = time.perf_counter()
+                    token_event = False
+                    for choice in chunk.get("choices") or []:
+                        is_token, text = _choice_tokens(choice, options.endpoint)
+                        token_event = token_event or is_token
+                        text_parts.append(text)
+                        if choice.get("finish_reason"):
+                            result.finish_reason = choice["finish_reason"]
+                    if token_event:
                         if chunks == 0:
                             result.ttft = now - started
                         else:
@@ -116,21 +188,42 @@ async def send_request(client: httpx.AsyncClient, index: int, request: BenchRequ
                         last = now
                         chunks += 1
                         result.chunk_times.append(now - clock_zero)
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
-                usage = chunk.get("usage")
-                if usage:
-                    result.usage_reported = True
-                    result.prompt_len = int(usage.get("prompt_tokens", result.prompt_len))
-                    result.output_tokens = int(usage.get("completion_tokens", 0))
+                    usage = chunk.get("usage") or {}
+                    if usage.get("prompt_tokens") is not None:
+                        result.prompt_len = usage["prompt_tokens"]
+                    if usage.get("completion_tokens") is not None:
+                        result.usage_reported = True
+                        result.output_tokens = usage["completion_tokens"]
+    except TimeoutError:
+        result.error = f"request timeout: not complete after {timeout_s:g} s (--request-timeout)"
+        return result
+    except MalformedEvent as exc:
+        result.error = f"bad SSE event: {exc}"
+        return result
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:_ERROR_BODY_CHARS]
         return result
-    result.e2e = time.perf_counter() - started
+    result.generated_text = "".join(text_parts)
     if not done and result.finish_reason is None:
         result.error = "stream ended before [DONE]"
         return result
-    if not result.usage_reported:
-        result.output_tokens = chunks
+    if chunks == 0:
+        result.error = "no token: the stream ended without a chunk carrying a choice"
+        return result
+    result.e2e = last - started
+    if result.usage_reported:
+        result.output_tokens_source = "usage"
+    else:
+        result.output_tokens, result.output_tokens_source = chunks, "chunks"
     result.success = True
     return result
+
+
+def count_unreported_output_tokens(results: Iterable[RequestResult], count: Callable[[str], int]) -> None:
+    """Re-tokenize the text of successful requests whose server reported no usage, as vLLM
+    does (`count` should leave special tokens out); a chunk can hold several tokens, so the
+    chunk count undercounts speculative decoding's output."""
+    for result in results:
+        if result.success and not result.usage_reported:
+            result.output_tokens = count(result.generated_text)
+            result.output_tokens_source = "tokenizer"

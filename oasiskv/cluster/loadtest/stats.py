@@ -55,8 +55,9 @@ def parse_goodput(items: Sequence[str] | None) -> dict[str, float]:
 def meets_slos(result: RequestResult, slos: dict[str, float]) -> bool:
     if not result.success:
         return False
-    # A one-token answer has no TPOT and meets any TPOT SLO (vLLM counts it as 0 there).
-    tpot = 0.0 if result.output_tokens == 1 else result.tpot
+    # An answer of at most one token has no TPOT and meets any TPOT SLO (vLLM counts it as 0
+    # there): one whose only chunk is an end-of-sequence with no text has 0 tokens re-tokenized.
+    tpot = 0.0 if result.output_tokens <= 1 else result.tpot
     measured = {"ttft": result.ttft, "tpot": tpot, "e2e": result.e2e}
     return all(not math.isnan(measured[k]) and measured[k] * 1000.0 <= limit for k, limit in slos.items())
 
@@ -85,13 +86,16 @@ def timeline(results: Sequence[RequestResult], duration: float, bin_s: float = 1
 def summarize(results: Sequence[RequestResult], duration: float, slos: dict[str, float],
               percentiles: Sequence[float]) -> dict:
     ok = [r for r in results if r.success]
-    failed = [r for r in results if not r.success]
+    # A request --max-duration left unsent never reached the server: not a failure of it.
+    failed = [r for r in results if r.sent and not r.success]
+    not_sent = sum(not r.sent for r in results)
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_tokens for r in ok)
     rate = (lambda x: x / duration) if duration > 0 else (lambda x: math.nan)
     summary = {
         "completed": len(ok),
         "failed": len(failed),
+        "not_sent": not_sent,
         "duration_s": duration,
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
@@ -101,6 +105,7 @@ def summarize(results: Sequence[RequestResult], duration: float, slos: dict[str,
         "request_goodput": rate(sum(meets_slos(r, slos) for r in ok)) if slos else None,
         "goodput_slos_ms": slos,
         "usage_reported": bool(ok) and all(r.usage_reported for r in ok),
+        "output_tokens_source": _output_tokens_source(ok),
         "errors": dict(Counter(_error_kind(r.error) for r in failed).most_common(10)),
     }
     samples = {
@@ -113,6 +118,13 @@ def summarize(results: Sequence[RequestResult], duration: float, slos: dict[str,
         for stat, value in describe_ms(samples[metric], percentiles).items():
             summary[f"{stat}_{metric}_ms"] = value
     return summary
+
+
+def _output_tokens_source(ok: Sequence[RequestResult]) -> str | None:
+    """How the output tokens were counted: "usage", "tokenizer" or "chunks" (a lower bound),
+    the least exact one when requests differ; None without successful requests."""
+    sources = {r.output_tokens_source for r in ok}
+    return next((s for s in ("chunks", "tokenizer", "usage") if s in sources), None)
 
 
 def _error_kind(error: str) -> str:
