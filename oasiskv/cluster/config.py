@@ -30,7 +30,10 @@ class ServeConfig(BaseModel):
         "of it, at most 30 s) unless set",
     )
     transport: Literal["auto", "nixl", "tcp"] = "auto"
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="the workers' weights and KV; 'auto' is bfloat16 on CUDA and float32 on CPUs, as in "
+        "`oasiskv generate` (a GPU deployment served in float32)",
+    )
     device: Literal["cpu", "cuda"] = Field(
         default_factory=lambda: os.environ.get("OASISKV_DEVICE") or "cpu",
         description="where prefill and decode workers run the model and keep the decode KV pool; 'cuda' asks Ray for "
@@ -77,6 +80,12 @@ class ServeConfig(BaseModel):
     vllm_kv_cache_gb: float = Field(1.0, gt=0, description="vLLM prefill actors' own KV cache (prefill_engine='vllm')")
     vllm_max_model_len: int | None = Field(None, ge=16, description="vLLM's max_model_len (default: the model's)")
     served_model_name: str | None = None
+
+    @model_validator(mode="after")
+    def _auto_dtype_follows_the_device(self) -> "ServeConfig":
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
+        return self
 
     @model_validator(mode="after")
     def _decode_device_follows(self) -> "ServeConfig":

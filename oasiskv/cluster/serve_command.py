@@ -27,7 +27,8 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transport", choices=["auto", "nixl", "tcp"], default="auto")
     parser.add_argument("--placement", choices=["none", "resources"], default="none",
                         help="'resources': roles go where Ray advertises oasiskv_prefill/decode/store")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="the workers' weights and KV (default auto: bfloat16 with --device cuda, else float32)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
                         help="where prefill and decode workers run the model and the decode KV pool lives; 'cuda' gives "
                              "each of them --gpus-per-worker of a Ray GPU (default: $OASISKV_DEVICE, else cpu)")
@@ -63,8 +64,8 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookahead-layer-group", type=int, default=None,
                         help="lookahead: rank, plan and fetch the draft rows' blocks once per this many layers, for all "
                              "of them together (default 4; 1: after every layer). Each call's fixed cost is paid once per "
-                             "group; measured at bf16 8K on Qwen 0.5B, 4 took lookahead from 1.84x to 2.12x dense "
-                             "tokens/s with the same blocks fetched: bench/decode_throughput.py)")
+                             "group; measured at bf16 8K on Qwen 0.5B, lookahead went from 1.93x to 2.11x dense "
+                             "tokens/s with it (medians of 3 runs, the same blocks fetched: bench/RESULTS.md)")
     parser.add_argument("--miss-policy", choices=["wait", "skip"], default=None,
                         help="lookahead: when a layer's prefetch has not landed, 'wait' for it (default) or 'skip' it "
                              "(attend without the blocks still in flight; the model never blocks on a prefetch); "

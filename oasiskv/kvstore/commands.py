@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 def add_arguments_kvstore(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
-    parser.add_argument("--port", type=int, default=7300, help="TCP port (0: any free port)")
+    parser.add_argument("--port", type=int, default=7300, help="TCP port (default 7300; 0: any free port)")
     parser.add_argument("--advertise-host", default=None, help="address clients should use, if not --host")
     parser.add_argument("--capacity-gb", type=float, default=1.0, help="arena size in GiB (preallocated)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")

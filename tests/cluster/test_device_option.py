@@ -151,3 +151,16 @@ def test_a_cuda_prefill_worker_stores_what_a_cpu_one_does():
         torch.testing.assert_close(stored["cuda"], stored["cpu"], rtol=1e-3, atol=1e-3)
     finally:
         server.stop()
+
+
+def test_the_dtype_follows_the_device_unless_given(monkeypatch):
+    """A GPU deployment (the Helm chart's GPU values give --device cuda and no --dtype) served
+    in float32; `auto` is bf16 on CUDA and fp32 on CPUs, as `oasiskv generate`."""
+    monkeypatch.delenv("OASISKV_DEVICE", raising=False)
+    assert _config().dtype == "float32"
+    assert _config("--device", "cuda").dtype == "bfloat16"
+    assert _config("--device", "cuda", "--dtype", "float32").dtype == "float32"
+    assert _config("--dtype", "bfloat16").dtype == "bfloat16"
+    monkeypatch.setenv("OASISKV_DEVICE", "cuda")
+    assert _config().dtype == "bfloat16"
+    assert ServeConfig(device="cpu").dtype == "float32"
