@@ -6,7 +6,8 @@ Names are `oasiskv_*`: prometheus_client >= 0.23 rewrites ':' under OpenMetrics.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
@@ -104,7 +105,23 @@ class _PolledCollector:
             capacity.add_metric([store], float(stats.get("capacity_bytes", 0)))
         yield used
         yield capacity
+        yield from store_series(m.store_stats)
         health = GaugeMetricFamily("oasiskv_worker_healthy", "1 when the worker answers and has not failed", labels=["role", "worker"])
         for (role, worker), ok in m.health.items():
             health.add_metric([role, worker], 1.0 if ok else 0.0)
         yield health
+
+
+def store_series(store_stats: dict[str, dict]):
+    """Every store's own `oasiskv_kvstore_*` series (request events, errors, bytes and blocks
+    served), from its last polled stats, labelled with the store. `serve` gives its stores no
+    metrics port, so these were seen only from a standalone `oasiskv kvstore`."""
+    families: dict[str, Metric] = {}
+    for store, stats in store_stats.items():
+        for family in text_string_to_metric_families(stats.get("metrics_text") or ""):
+            if family.name.endswith("_created"):  # when the store's counter was made: not a reading
+                continue
+            merged = families.setdefault(family.name, Metric(family.name, family.documentation, family.type))
+            for sample in family.samples:
+                merged.add_sample(sample.name, {"store": store, **sample.labels}, sample.value)
+    yield from families.values()

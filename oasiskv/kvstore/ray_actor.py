@@ -31,7 +31,7 @@ class KVStoreActor:
         # The address too: a store that Ray restarted (on another node, or on a new port) is only
         # found again through it.
         return {**self.server.store.stats().__dict__, "store_id": self.server.store_id, "nixl": self.server.serves_nixl,
-                "address": self.server.address}
+                "address": self.server.address, "metrics_text": self.server.metrics.text()}
 
     def free(self, request_id: str) -> bool:
         """Drop a request's KV; False when the store does not hold it (never allocated, freed

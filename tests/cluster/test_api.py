@@ -542,6 +542,13 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert "oasiskv_request_ttft_seconds_count" in text
     assert 'oasiskv_worker_healthy{role="decode",worker="decode-0"} 1.0' in text
     assert 'oasiskv_store_capacity_bytes{store="store-0"}' in text
+    # The store's own series, which serve's stores (no metrics port of theirs) never showed: the
+    # completion was allocated in the store.
+    registry = server.service.metrics.registry
+    assert registry.get_sample_value("oasiskv_kvstore_requests_events_total",
+                                     {"store": "store-0", "event": "allocated"}) >= 1
+    assert 'oasiskv_kvstore_capacity_bytes{store="store-0"}' in text
+    assert "oasiskv_kvstore_requests_events_created" not in text
 
 
 def test_a_refused_request_is_counted_as_rejected(server):

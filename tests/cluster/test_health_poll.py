@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import torch
+
 from oasiskv.cluster.config import ServeConfig
 from oasiskv.cluster.launcher import HEALTH_GROUP, ClusterHandles
 from oasiskv.cluster.router import WorkerSlot
@@ -149,3 +151,30 @@ def test_the_nixl_rate_counts_every_store_read_and_survives_a_restarted_worker()
     assert service.metrics.nixl_rate["decode-0"] >= (1 + 10**9 + 10**6) / (second_poll - first_poll)
     _, third_poll = poll_reading(0, 600, 0)  # restarted, then read 600 bytes
     assert service.metrics.nixl_rate["decode-0"] >= 600 / (third_poll - first_poll)
+
+
+def test_each_stores_own_series_are_exported_with_its_name():
+    """Two real stores' registries, as their polls bring them: one family per series, a sample
+    per store, the stores' counters as counters."""
+    from prometheus_client import generate_latest
+
+    from oasiskv.cluster.metrics import ServingMetrics
+    from oasiskv.kvstore import KVLayout, KVStore
+
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, dtype=torch.float32)
+    stores = [KVStore(8 * 2**20, prefault=False, hugepages=False) for _ in range(2)]
+    stores[0].allocate("a", layout, 40)
+    stores[0].free("a")
+    stores[1].allocate("b", layout, 40)
+    metrics = ServingMetrics()
+    metrics.store_stats = {f"store-{i}": {"used_bytes": 0, "capacity_bytes": 1, "metrics_text": s.metrics.text()}
+                           for i, s in enumerate(stores)}
+    value = metrics.registry.get_sample_value
+    assert value("oasiskv_kvstore_requests_events_total", {"store": "store-0", "event": "freed"}) == 1
+    assert value("oasiskv_kvstore_requests_events_total", {"store": "store-1", "event": "allocated"}) == 1
+    assert value("oasiskv_kvstore_requests", {"store": "store-1"}) == 1
+    assert value("oasiskv_kvstore_requests", {"store": "store-0"}) == 0
+    text = generate_latest(metrics.registry).decode()
+    assert text.count("# TYPE oasiskv_kvstore_requests_events_total counter") == 1
+    metrics.store_stats = {"store-0": {"used_bytes": 0, "capacity_bytes": 1}}  # a store polled before it had any
+    assert value("oasiskv_kvstore_requests_events_total", {"store": "store-0", "event": "freed"}) is None
