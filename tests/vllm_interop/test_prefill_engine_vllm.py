@@ -105,3 +105,15 @@ def test_min_p_min_tokens_and_logit_bias_through_a_vllm_prefill_match_the_engine
                                         temperature=params.temperature, extra_body=extra, **kwargs)
         assert out.choices[0].text == expected.text and expected.text
         assert out.usage.completion_tokens == len(expected.token_ids)
+
+
+def test_what_vllm_cannot_prefill_is_a_400_and_the_server_serves_on(client, smollm2_llm):
+    """A seeded, sampled prompt over one vLLM step failed inside vLLM on CPUs and wedged the
+    prefill worker; a prompt of --vllm-max-model-len tokens got a 503 'retry it'."""
+    ids = smollm2_llm.encode(stdlib_source("argparse.py"))
+    with pytest.raises(openai.BadRequestError, match="cannot be prefilled by vLLM on CPUs"):
+        client.completions.create(model=DEFAULT_MODEL, prompt=ids[:1100], max_tokens=4, temperature=0.8, seed=7)
+    with pytest.raises(openai.BadRequestError, match="--vllm-max-model-len"):
+        client.completions.create(model=DEFAULT_MODEL, prompt=ids[:4096], max_tokens=4)
+    short = client.completions.create(model=DEFAULT_MODEL, prompt=ids[:1100], max_tokens=4, temperature=0.8)
+    assert short.usage.completion_tokens == 4

@@ -143,3 +143,30 @@ def test_full_store_is_a_clear_error_and_nothing_leaks(vllm_prefill, prompts):
         assert small.store.stats().num_requests == 0
     finally:
         small.stop()
+
+
+def test_a_prefill_that_fails_inside_vllm_leaves_nothing_behind(vllm_prefill, nixl_store, prompts, monkeypatch):
+    """vLLM 0.32 on CPUs fails a seeded, sampled prompt longer than one step ("CPU Generator does
+    not use offset"). The API refuses such requests (tests/prefill_node/test_vllm_prefill_refusal.py);
+    here the refusal is lifted so that vLLM fails for real. The failed request stayed inside
+    vLLM: the next prefill took its token for its own, and after two failures every prefill spun."""
+    import concurrent.futures
+
+    import oasiskv.prefill_node.vllm_worker as vllm_worker
+
+    short = prompts[1][:40]
+    expected = vllm_prefill.prefill("before-failures", short, {"max_tokens": 4}, nixl_store.address).first_token
+    vllm_prefill.free("before-failures", nixl_store.address)
+    monkeypatch.setattr(vllm_worker, "vllm_prefill_refusal", lambda *args: None)
+    for i in range(2):
+        with pytest.raises(RuntimeError, match="offset"):
+            vllm_prefill.prefill(f"seeded-{i}", prompts[0], {"max_tokens": 4, "temperature": 1.0, "seed": 7},
+                                 nixl_store.address)
+        vllm_prefill.free(f"seeded-{i}", nixl_store.address)  # as the API does after a failed prefill
+    monkeypatch.undo()
+    assert not vllm_prefill.llm.llm_engine.output_processor.request_states
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        after = pool.submit(vllm_prefill.prefill, "after-failures", short, {"max_tokens": 4}, nixl_store.address)
+        assert after.result(timeout=120).first_token == expected
+    vllm_prefill.free("after-failures", nixl_store.address)
+    assert nixl_store.store.stats().num_requests == 0
