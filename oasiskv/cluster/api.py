@@ -152,7 +152,7 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
         _check(body, config.model_name)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
-            ids = await asyncio.to_thread(service.tokenizer.apply_chat_template, messages)
+            ids = await asyncio.to_thread(service.tokenizer.apply_chat_template, messages, **body.template_variables())
         except Exception as exc:  # a template that refuses the conversation (roles out of order...)
             raise ApiError(400, f"chat template failed: {exc}", "invalid_request_error", "messages") from exc
         return await _serve(service, request, body, ids, "chat.completion")

@@ -146,14 +146,15 @@ class ChatMessage(BaseModel):
     @field_validator("content")
     @classmethod
     def _flatten(cls, value):
-        """Content parts: only text parts are accepted; they are joined."""
+        """Content parts: only text parts are accepted; they are joined by newlines, as vLLM
+        joins them (joined by nothing, the prompt differed from vLLM's)."""
         if isinstance(value, list):
             texts = []
             for part in value:
                 if part.get("type") != "text":
                     raise ValueError(f"content part type {part.get('type')!r} is not supported (text only)")
                 texts.append(part.get("text", ""))
-            value = "".join(texts)
+            value = "\n".join(texts)
         return _encodable(value)
 
     @model_validator(mode="after")
@@ -174,6 +175,10 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict | None = None
     top_logprobs: int | None = None
     logprobs: bool | None = None  # chat's is a boolean (completions' a count): 3 is refused, as in vLLM
+    # vLLM's chat-template extensions; they were logged as ignored, so the prompt was not the one asked for.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
 
     def logprobs_requested(self) -> int | None:
         """How many alternatives each token's logprobs list; None: no logprobs."""
@@ -192,6 +197,20 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedFeature(f"response_format {kind!r} is not supported (free text only)")
         if self.tools and self.tool_choice != "none":
             raise UnsupportedFeature("tools (function calling) are not supported")
+        if self.continue_final_message:
+            raise UnsupportedFeature("continue_final_message is not supported")
+        reserved = set(self.chat_template_kwargs or {}) & {"messages", "add_generation_prompt", "tools", "tokenize",
+                                                        "bos_token", "eos_token", "pad_token"}
+        if reserved:
+            raise UnsupportedFeature(f"chat_template_kwargs may not set {sorted(reserved)}: they are the request's own fields")
+
+    def template_variables(self) -> dict:
+        """What the chat template renders besides the messages, as vLLM passes it: declined tools
+        are still described to the model (Qwen's template writes them out)."""
+        variables = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
+        if self.tools:
+            variables["tools"] = self.tools
+        return variables
 
 
 def new_id(prefix: str) -> str:

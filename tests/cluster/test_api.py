@@ -801,3 +801,28 @@ def test_a_killed_store_fails_its_request_and_comes_back_empty(server, client):
             break
         time.sleep(0.5)
     assert (decode_stats["store_clients"], decode_stats["store_clients_retired"]) == (1, 0)
+
+
+def test_chat_template_options_shape_the_prompt_as_vllm_does(server, smollm2_llm):
+    """add_generation_prompt, chat_template_kwargs and declined tools reach the template (they
+    were logged as ignored, and the prompt was not the one asked for); what is not served is a
+    400."""
+    messages = [{"role": "user", "content": "Hi!"}]
+    tokenizer = smollm2_llm.tokenizer
+
+    def prompt_tokens(**extra) -> int:
+        response = _post(server, "chat/completions", {"model": DEFAULT_MODEL, "messages": messages, "max_tokens": 1,
+                                                      **extra})
+        assert response.status_code == 200, response.text
+        return response.json()["usage"]["prompt_tokens"]
+
+    with_prompt = len(tokenizer.apply_chat_template(messages))
+    without = len(tokenizer.apply_chat_template(messages, add_generation_prompt=False))
+    assert without < with_prompt
+    assert prompt_tokens() == with_prompt
+    assert prompt_tokens(add_generation_prompt=False) == without
+    assert prompt_tokens(chat_template_kwargs={"unused_by_this_template": True}) == with_prompt
+    for extra, fragment in (({"continue_final_message": True}, "continue_final_message"),
+                            ({"chat_template_kwargs": {"messages": []}}, "may not set ['messages']")):
+        response = _post(server, "chat/completions", {"model": DEFAULT_MODEL, "messages": messages, **extra})
+        assert response.status_code == 400 and fragment in response.text, response.text
