@@ -23,6 +23,19 @@ _COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Shows each option's default after its help, as `vllm serve --help` does. An option whose
+    default is None (the component's config decides) says its default in its own help text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        shown = not (default is None or default is False or default == [] or default == argparse.SUPPRESS)
+        if action.option_strings and shown and "default" not in text:
+            text = f"{text} (default: %(default)s)" if text else "default: %(default)s"
+        return text
+
+
 def _entry(module_name: str, command: str, kind: str):
     module = importlib.import_module(module_name)
     return getattr(module, f"{kind}_{command}", None) or getattr(module, kind)
@@ -33,7 +46,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in _COMMANDS.items():
-        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        command_parser = sub.add_parser(name, help=help_text, description=help_text,
+                                        formatter_class=HelpWithDefaults)
         # Only the chosen command's module is imported; the others just show in --help.
         if only == name:
             _entry(module_name, name, "add_arguments")(command_parser)

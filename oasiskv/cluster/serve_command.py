@@ -10,21 +10,24 @@ import sys
 def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="registry name, HF directory or .gguf file")
     parser.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--address", default=None, help="join this Ray cluster (e.g. auto, HOST:6379)")
-    parser.add_argument("--prefill-workers", type=int, default=1)
-    parser.add_argument("--decode-workers", type=int, default=1)
-    parser.add_argument("--stores", type=int, default=1)
-    parser.add_argument("--store-capacity-gb", type=float, default=1.0)
+    parser.add_argument("--host", default="127.0.0.1", help="the API's address (0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=8000, help="the API's port")
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster (e.g. auto, HOST:6379; default: start a local one)")
+    parser.add_argument("--prefill-workers", type=int, default=1, help="prefill worker actors")
+    parser.add_argument("--decode-workers", type=int, default=1, help="decode worker actors")
+    parser.add_argument("--stores", type=int, default=1, help="KV store actors; requests are spread over them")
+    parser.add_argument("--store-capacity-gb", type=float, default=1.0,
+                        help="host memory each store preallocates for whole requests' KV and key summaries")
     parser.add_argument("--store-port", type=int, default=0, help="first store's port (0: any free port)")
     parser.add_argument("--store-ttl-s", type=float, default=600.0,
                         help="a store frees a request nobody has touched for this long (its decode worker died, say); "
                              "decode workers refresh what they hold every quarter of it, at most every 30 s")
     parser.add_argument("--fetch-timeout-s", type=float, default=None,
                         help="a decode worker ends a request whose store has not answered a read or write this long "
-                             "after it was issued; the rest of the batch decodes on (default 30)")
-    parser.add_argument("--transport", choices=["auto", "nixl", "tcp"], default="auto")
+                             "after it was issued; the rest of the batch decodes on (default: 30)")
+    parser.add_argument("--transport", choices=["auto", "nixl", "tcp"], default="auto",
+                        help="how decode workers read KV from the stores (auto: NIXL where installed)")
     parser.add_argument("--placement", choices=["none", "resources"], default="none",
                         help="'resources': roles go where Ray advertises oasiskv_prefill/decode/store")
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
@@ -34,11 +37,16 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
                              "each of them --gpus-per-worker of a Ray GPU (default: $OASISKV_DEVICE, else cpu)")
     parser.add_argument("--gpus-per-worker", type=float, default=1.0,
                         help="GPU share per prefill and decode worker with --device cuda (0.5: two share a GPU)")
-    parser.add_argument("--mode", choices=["dense", "sparse-current", "lookahead"], default="lookahead")
+    parser.add_argument("--mode", choices=["dense", "sparse-current", "lookahead"], default="lookahead",
+                        help="dense: the whole KV fetched at admission; sparse-current: the current query's top-K "
+                             "fetched on demand; lookahead: the draft rows' top-K prefetched in the background")
     parser.add_argument("--kv-pool-gb", type=float, default=1.0,
                         help="device KV pool per decode worker: working sets and their key summaries")
-    parser.add_argument("--budget-tokens", type=int, default=2048)
-    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--budget-tokens", type=int, default=2048,
+                        help="sparse modes: tokens of KV each request holds per layer and KV head, besides the sink "
+                             "and the local window (a multiple of 16)")
+    parser.add_argument("--num-draft-tokens", type=int, default=3,
+                        help="drafts verified per step (0: plain decoding)")
     parser.add_argument("--drafter", default="ngram", help="'ngram' or a draft model name")
     parser.add_argument("--draft-window-tokens", type=int, default=None,
                         help="draft model: recent tokens its KV keeps besides the first 16 (default 1024; Qwen 0.5B "
@@ -73,10 +81,13 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--summary-kind", choices=["moments", "minmax"], default=None,
                         help="how blocks' keys are summarized for the sparse modes' ranking: 'moments' (mean +- std) or "
                              "'minmax' (Quest's box); same bytes (default: moments)")
-    parser.add_argument("--threads-per-worker", type=int, default=None)
+    parser.add_argument("--threads-per-worker", type=int, default=None,
+                        help="torch threads of each prefill and decode worker (default: the CPUs Ray gives it)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or OASISKV_API_KEY)")
-    parser.add_argument("--max-queued-requests", type=int, default=64)
-    parser.add_argument("--request-timeout-s", type=float, default=600.0)
+    parser.add_argument("--max-queued-requests", type=int, default=64,
+                        help="requests waiting for a worker at most; more are refused with a 429")
+    parser.add_argument("--request-timeout-s", type=float, default=600.0,
+                        help="a request still running this long after it arrived is aborted")
     parser.add_argument("--start-timeout-s", type=float, default=600.0,
                         help="how long to wait, in all, for every store and worker to be placed by Ray and start")
     parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
@@ -85,7 +96,8 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-engine", choices=["oasiskv", "vllm"], default="oasiskv",
                         help="'vllm': prefill with vLLM (the vllm extra) through OasisKVConnector")
     parser.add_argument("--vllm-kv-cache-gb", type=float, default=1.0, help="vLLM prefill workers' own KV cache")
-    parser.add_argument("--vllm-max-model-len", type=int, default=None)
+    parser.add_argument("--vllm-max-model-len", type=int, default=None,
+                        help="vLLM prefill workers' longest prompt (default: the model's context length)")
 
 
 def config_from_args(args: argparse.Namespace):
@@ -130,7 +142,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValidationError as error:
-        print(f"error: invalid configuration: {describe(error)}", file=sys.stderr)
+        print(f"error: invalid configuration: {describe(error, args)}", file=sys.stderr)
         return 2
     try:
         run_server(config)

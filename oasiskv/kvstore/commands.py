@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 def add_arguments_kvstore(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all)")
-    parser.add_argument("--port", type=int, default=7300, help="TCP port (default 7300; 0: any free port)")
+    parser.add_argument("--port", type=int, default=7300, help="TCP port (0: any free port)")
     parser.add_argument("--advertise-host", default=None, help="address clients should use, if not --host")
     parser.add_argument("--capacity-gb", type=float, default=1.0, help="arena size in GiB (preallocated)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
@@ -21,7 +21,7 @@ def add_arguments_kvstore(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     parser.add_argument("--no-hugepages", action="store_true", help="do not madvise huge pages for the arena")
     parser.add_argument("--no-prefault", action="store_true", help="do not touch the arena at start")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
 
 
 def run_kvstore(args: argparse.Namespace) -> int:
@@ -39,7 +39,7 @@ def run_kvstore(args: argparse.Namespace) -> int:
             hugepages=not args.no_hugepages, prefault=not args.no_prefault,
         )
     except ValidationError as exc:
-        print(f"oasiskv kvstore: invalid configuration: {describe(exc)}", file=sys.stderr)
+        print(f"oasiskv kvstore: invalid configuration: {describe(exc, args)}", file=sys.stderr)
         return 2
     try:
         server = KVStoreServer(config)

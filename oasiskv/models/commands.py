@@ -11,9 +11,11 @@ from .errors import ModelError
 def add_arguments_models(parser: argparse.ArgumentParser) -> None:
     actions = parser.add_subparsers(dest="models_action", metavar="ACTION")
     actions.required = True
-    listing = actions.add_parser("list", help="show the registry models and whether they are pulled")
+    listing = actions.add_parser("list", formatter_class=parser.formatter_class,
+                                 help="show the registry models and whether they are pulled")
     listing.add_argument("--cache-dir", help="cache root (default $OASISKV_CACHE or ~/.cache/oasiskv)")
-    pull = actions.add_parser("pull", help="download, verify and convert registry models")
+    pull = actions.add_parser("pull", formatter_class=parser.formatter_class,
+                              help="download, verify and convert registry models")
     pull.add_argument("names", nargs="+", metavar="NAME", help="registry model name(s)")
     pull.add_argument("--cache-dir", help="cache root (default $OASISKV_CACHE or ~/.cache/oasiskv)")
     pull.add_argument("--force", action="store_true", help="discard the cached copy and pull again")

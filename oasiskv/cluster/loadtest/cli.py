@@ -33,7 +33,8 @@ def add_arguments_bench(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK")
     sub.required = True
     serve = sub.add_parser(
-        "serve", help="load-test an OpenAI-compatible endpoint (ours or vLLM's)",
+        "serve", formatter_class=parser.formatter_class,
+        help="load-test an OpenAI-compatible endpoint (ours or vLLM's)",
         description="Stream requests to an OpenAI-compatible endpoint on an arrival schedule and "
                     "report throughput, goodput and TTFT/TPOT/ITL/E2E latency, as `vllm bench serve` does.")
     add_serve_arguments(serve)
@@ -50,17 +51,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         help="bearer token (default: $OASISKV_API_KEY or $OPENAI_API_KEY)")
 
     data = p.add_argument_group("dataset")
-    data.add_argument("--dataset", choices=("random", "files", "jsonl"), default="random")
+    data.add_argument("--dataset", choices=("random", "files", "jsonl"), default="random",
+                      help="random words, stretches of source files, or prompts from a JSONL file")
     data.add_argument("--num-prompts", type=int, default=100, help="requests to send")
-    data.add_argument("--random-input-len", type=int, default=1024)
-    data.add_argument("--random-output-len", type=int, default=128)
+    data.add_argument("--random-input-len", type=int, default=1024, help="random: prompt tokens")
+    data.add_argument("--random-output-len", type=int, default=128, help="random: max_tokens")
     data.add_argument("--random-range-ratio", type=float, default=0.0,
                       help="lengths drawn uniformly from [len*(1-r), len*(1+r)]")
     data.add_argument("--files-dir", type=Path, default=None,
                       help="source files for long prompts (default: the Python standard library)")
-    data.add_argument("--files-glob", default="*.py")
-    data.add_argument("--files-input-len", type=int, default=4096)
-    data.add_argument("--files-output-len", type=int, default=256)
+    data.add_argument("--files-glob", default="*.py", help="files: which files under --files-dir")
+    data.add_argument("--files-input-len", type=int, default=4096, help="files: prompt tokens")
+    data.add_argument("--files-output-len", type=int, default=256, help="files: max_tokens")
     data.add_argument("--jsonl-path", type=Path, help='prompts, one {"prompt": ..., "max_tokens": ...} a line')
     data.add_argument("--jsonl-output-len", type=int, default=128, help="max_tokens when a line has none")
     data.add_argument("--tokenizer", help="tokenizer.json (or a directory with one) for exact prompt lengths, "
@@ -72,8 +74,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of the arrival gaps: 1 is Poisson, <1 burstier, >1 steadier")
     load.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--temperature", type=float, default=0.0)
+    load.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrival schedule")
+    load.add_argument("--temperature", type=float, default=0.0, help="sent with every request")
     load.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM/OasisKV extension)")
     load.add_argument("--no-stream-usage", action="store_true",
                       help="do not send stream_options.include_usage (servers that reject it); output tokens "
@@ -92,11 +94,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="SLOs for goodput, in ms: ttft:MS tpot:MS e2e:MS")
     out.add_argument("--percentiles", default="90,99", help="latency percentiles to report (0-100), e.g. 50,90,99")
     out.add_argument("--save-result", action="store_true", help="write a JSON record and a PNG plot")
-    out.add_argument("--result-dir", type=Path, default=Path("."))
+    out.add_argument("--result-dir", type=Path, default=Path("."), help="where --save-result writes")
     out.add_argument("--result-filename", help="default: bench-serve-<endpoint>-<dataset>-<time>.json")
     out.add_argument("--no-plot", action="store_true", help="with --save-result: JSON only")
     out.add_argument("--metadata", nargs="*", default=[], metavar="KEY=VALUE", help="stored in the JSON record")
-    out.add_argument("--disable-tqdm", action="store_true")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
 def run_bench(args: argparse.Namespace) -> int:
