@@ -141,7 +141,12 @@ class ServeConfig(BaseModel):
             return 0.0
         return (self.prefill_workers + self.decode_workers) * self.gpus_per_worker
 
-    def worker_threads(self) -> int:
+    def worker_threads(self) -> int | None:
+        """Torch threads each prefill and decode worker is told to use. None with placement by
+        role resources: each worker then splits its own node's CPUs (a pod's limit, not the
+        head's cores) among the units of its role that node offers."""
         if self.threads_per_worker:
             return self.threads_per_worker
+        if self.placement == "resources":
+            return None
         return max(1, (os.cpu_count() or 2) // (self.prefill_workers + self.decode_workers))

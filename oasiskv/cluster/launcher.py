@@ -206,6 +206,10 @@ def launch(config: ServeConfig) -> ClusterHandles:
     start_ray(config)
     check_gpus(config, ray.cluster_resources().get("GPU", 0.0))
     threads = config.worker_threads()
+
+    def role_resource(role: str) -> str | None:
+        return ROLE_RESOURCES[role] if config.placement == "resources" else None
+
     stores = []
     for i in range(config.stores):
         # A dead store is restarted by Ray, empty, at an address the health poll picks up;
@@ -225,13 +229,14 @@ def launch(config: ServeConfig) -> ClusterHandles:
     prefill = [
         WorkerSlot(f"prefill-{i}", prefill_cls.options(**_options(config, "prefill", max_concurrency=8, max_restarts=-1)).remote(
             config.model, config.dtype, config.decode.block_size, config.prefill_chunk_tokens, threads, config.transport,
-            *prefill_extra, summary_kind=config.summary_kind, device=config.device))
+            *prefill_extra, summary_kind=config.summary_kind, device=config.device, role_resource=role_resource("prefill")))
         for i in range(config.prefill_workers)
     ]
     decode = [
         # A dead worker is restarted by Ray (it reloads its model); requests in flight on it fail.
         WorkerSlot(f"decode-{i}", decode_cls.options(**_options(config, "decode", max_concurrency=1000, max_restarts=-1)).remote(
-            config.model, config.decode.model_dump(), config.dtype, threads, config.transport),
+            config.model, config.decode.model_dump(), config.dtype, threads, config.transport,
+            role_resource=role_resource("decode")),
             seats=config.decode.max_num_seqs)
         for i in range(config.decode_workers)
     ]

@@ -82,7 +82,9 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
                         help="how blocks' keys are summarized for the sparse modes' ranking: 'moments' (mean +- std) or "
                              "'minmax' (Quest's box); same bytes (default: moments)")
     parser.add_argument("--threads-per-worker", type=int, default=None,
-                        help="torch threads of each prefill and decode worker (default: the CPUs Ray gives it)")
+                        help="torch threads of each prefill and decode worker (default: this machine's CPUs split among the "
+                             "workers; with --placement resources, its own node's CPUs split among the units of its "
+                             "role that node offers)")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or OASISKV_API_KEY)")
     parser.add_argument("--max-queued-requests", type=int, default=64,
                         help="requests waiting for a worker at most; more are refused with a 429")

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..models.cpus import threads_within_limit
+from ..models.cpus import worker_threads
 from ..models.device import require_device
 from ..models.loader import load_model_dir
 from ..models.pull import resolve_model
@@ -34,9 +34,10 @@ class DecodeWorker:
     MAX_CONSECUTIVE_FAILURES = 3
 
     def __init__(self, model: str, config: dict | None = None, dtype: str = "float32", threads: int | None = None,
-                 transport: str = "auto"):
-        if threads:
-            torch.set_num_threads(threads_within_limit(threads))
+                 transport: str = "auto", role_resource: str | None = None):
+        chosen = worker_threads(threads, role_resource)
+        if chosen:
+            torch.set_num_threads(chosen)
         self.config = DecodeConfig(**(config or {}))
         require_device(self.config.device)  # before minutes of model loading
         model_dir = resolve_model(model, progress=False)

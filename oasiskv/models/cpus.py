@@ -2,7 +2,8 @@
 
 `os.cpu_count()` is the node's count. A container's CPU limit (a cgroup quota) and the process's
 affinity can be far lower: the API computed each worker's threads from the head node's cores, so
-on Kubernetes a worker pod limited to 4 CPUs ran 16 threads on a 32-core head's word, throttled.
+on Kubernetes a worker pod limited to 4 CPUs ran 16 threads on a 32-core head's word, throttled;
+and a head with fewer cores than the workers' pods had each of them run one thread.
 """
 
 from __future__ import annotations
@@ -51,3 +52,38 @@ def threads_within_limit(asked: int, cgroup_root: str | Path = "/sys/fs/cgroup")
         log.info("using %d torch threads, not %d: this process may use %d CPU(s)", available, asked, available)
         return available
     return asked
+
+
+def threads_for_share(shared_by: int, cgroup_root: str | Path = "/sys/fs/cgroup") -> int:
+    """Torch threads for one of `shared_by` workers on this machine (a pod): its CPUs split
+    evenly, at least 1."""
+    if shared_by < 1:
+        raise ValueError(f"shared_by must be at least 1, got {shared_by}")
+    return max(1, cpus_available(cgroup_root) // shared_by)
+
+
+def ray_node_resource(name: str) -> float:
+    """How much of the custom resource `name` the Ray node this actor runs on offers in all (0
+    when it offers none). Ray is imported only here: a worker placed by role resources asks it."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            return float(node.get("Resources", {}).get(name, 0.0))
+    return 0.0
+
+
+def worker_threads(threads: int | None, role_resource: str | None) -> int | None:
+    """A worker's torch threads: `threads` as asked (capped by its CPUs); or, when Ray placed it
+    by `role_resource`, its node's CPUs split among as many workers as the node offers units of
+    that resource; None leaves torch's default."""
+    if threads:
+        return threads_within_limit(threads)
+    if role_resource:
+        units = int(ray_node_resource(role_resource))
+        chosen = threads_for_share(max(1, units))
+        log.info("using %d torch threads: %d CPU(s) on this node shared by %d %s unit(s)", chosen,
+                 cpus_available(), max(1, units), role_resource)
+        return chosen
+    return None

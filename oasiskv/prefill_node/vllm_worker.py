@@ -18,7 +18,7 @@ import threading
 import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, KVLayout, KVStoreError, UnknownRequest, connect
-from ..models.cpus import threads_within_limit
+from ..models.cpus import worker_threads
 from ..models.device import require_device
 from ..models.pull import resolve_model
 from ..models.sampling import SamplingParams, TokenLogprob
@@ -144,7 +144,8 @@ def first_logprob(logprobs, token: int, top: int | None) -> TokenLogprob | None:
 class VLLMPrefillWorker:
     def __init__(self, model: str, dtype: str = "float32", block_size: int = 16, chunk_tokens: int = 1024,
                  threads: int | None = None, transport: str = "auto", kv_cache_gb: float = 1.0,
-                 max_model_len: int | None = None, summary_kind: str = DEFAULT_SUMMARY_KIND, device: str = "cpu"):
+                 max_model_len: int | None = None, summary_kind: str = DEFAULT_SUMMARY_KIND, device: str = "cpu",
+                 role_resource: str | None = None):
         require_vllm()
         # vLLM picks its platform from how it was built; this only checks that a GPU asked for is there.
         require_device(device)
@@ -157,8 +158,9 @@ class VLLMPrefillWorker:
         model_dir = str(resolve_model(model, progress=False))
         self.llm = LLM(**vllm_engine_args(model_dir, dtype, block_size, chunk_tokens, int(kv_cache_gb * 2**30),
                                           transport, max_model_len, summary_kind))
-        if threads:
-            torch.set_num_threads(threads_within_limit(threads))
+        chosen = worker_threads(threads, role_resource)
+        if chosen:
+            torch.set_num_threads(chosen)
         self.transport = transport
         self.chunk_tokens, self.max_model_len, self.device = chunk_tokens, max_model_len, device
         self._clients: dict[str, object] = {}

@@ -8,7 +8,7 @@ import threading
 import torch
 
 from ..kvstore import DEFAULT_SUMMARY_KIND, connect
-from ..models.cpus import threads_within_limit
+from ..models.cpus import worker_threads
 from ..models.device import require_device
 from ..models.loader import load_model_dir
 from ..models.pull import resolve_model
@@ -21,10 +21,11 @@ from .prefill import Prefiller, PrefillResult
 class PrefillWorker:
     def __init__(self, model: str, dtype: str = "float32", block_size: int = 16, chunk_tokens: int = 1024,
                  threads: int | None = None, transport: str = "auto",
-                 summary_kind: str = DEFAULT_SUMMARY_KIND, device: str = "cpu"):
+                 summary_kind: str = DEFAULT_SUMMARY_KIND, device: str = "cpu", role_resource: str | None = None):
         require_device(device)  # before minutes of model loading
-        if threads:
-            torch.set_num_threads(threads_within_limit(threads))
+        chosen = worker_threads(threads, role_resource)
+        if chosen:
+            torch.set_num_threads(chosen)
         model_dir = resolve_model(model, progress=False)
         self.model = load_model_dir(model_dir, dtype=getattr(torch, dtype), device=device)
         # The first token's min_tokens must keep out every EOS the decode node stops on.

@@ -133,3 +133,11 @@ def test_prefill_worker_names_its_summary_kind_in_the_layout():
         worker.free("kind", address)
     finally:
         server.stop()
+
+
+def test_workers_placed_by_role_resources_size_their_own_threads():
+    """The head's cores say nothing of a worker pod's: with --placement resources the head sends
+    no thread count unless one is given (the worker splits its own node's CPUs)."""
+    assert _config("--placement", "resources").worker_threads() is None
+    assert _config("--placement", "resources", "--threads-per-worker", "3").worker_threads() == 3
+    assert _config("--prefill-workers", "1", "--decode-workers", "1").worker_threads() >= 1
