@@ -8,7 +8,8 @@
 #   kvstore [args]        a standalone KV store (`oasiskv kvstore`)
 #   anything else         run as given
 #
-# Environment: OASISKV_MODELS (models to pull before starting, space-separated),
+# Environment: OASISKV_MODELS (models to pull before starting, space-separated; paths are
+# checked, not pulled; empty where no model runs, as on store nodes),
 # RAY_HEAD_ADDRESS (host:port, workers), OASISKV_ROLE_SLOTS (resource units a worker offers).
 # `oasiskv serve` reads OASISKV_API_KEY itself: passing it on as --api-key would show the key
 # in every process listing.
@@ -26,9 +27,28 @@ ulimit -n 65536 2>/dev/null || ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 # The health check runs in a separate process that cannot see this script's variables.
 remember_role() { printf '%s\n' "$*" >"$state_file"; }
 
+# `oasiskv serve --model` takes a registry name, a Hugging Face directory or a .gguf file, and
+# tells them apart as it does (oasiskv/models/pull.py resolve_model): a directory, a name with a
+# slash or a .gguf name is a path. Only registry names can be pulled; a path comes from a volume
+# mounted into the container, and `oasiskv models pull` refused it, which under `set -e`
+# crash-looped every pod. A path that is not there fails here, naming it, rather than later
+# inside a Ray actor.
+is_model_path() {
+    local lower=${1,,}
+    [[ -d $1 || $1 == */* || $lower == *.gguf || -e $1 ]]
+}
+
 pull_models() {
     local model
     for model in ${OASISKV_MODELS:-}; do
+        if is_model_path "$model"; then
+            if [[ -e $model ]]; then
+                log "model $model is a path in this container (a Hugging Face directory or a .gguf file): nothing to pull"
+                continue
+            fi
+            log "model $model is a path (a Hugging Face directory or a .gguf file) that does not exist in this container: mount it there (a volume), or give a registry name (\`oasiskv models list\`)"
+            exit 1
+        fi
         log "pulling model $model into ${OASISKV_CACHE:-~/.cache/oasiskv}"
         oasiskv models pull "$model"
     done

@@ -162,3 +162,11 @@ def test_docker_waits_for_the_apis_shutdown_grace_before_killing_the_head(model)
     head = longer["services"]["ray-head"]
     assert head["command"][head["command"].index("--shutdown-grace-s") + 1] == "300"
     assert head["stop_grace_period"] == "5m30s"
+
+
+def test_store_containers_pull_no_model(model):
+    """A store never loads the model; its container pulled it anyway (OASISKV_MODELS on all)."""
+    services = model["services"]
+    assert services["store"]["environment"]["OASISKV_MODELS"] == ""
+    for role in ("ray-head", "prefill", "decode"):
+        assert services[role]["environment"]["OASISKV_MODELS"] == "smollm2-135m", role

@@ -86,13 +86,19 @@ def test_entrypoint_is_valid_bash_and_executable_in_the_image():
     assert "COPY --chmod=0755 deploy/docker/entrypoint.sh" in DOCKERFILE
 
 
-def _entrypoint(*args: str, env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+def _entrypoint(*args: str, env: dict, tmp_path: Path, real_models_cli: bool = False) -> subprocess.CompletedProcess:
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir(exist_ok=True)
     # stand-ins that print how they were called, so the roles can be checked without Ray
     for tool in ("ray", "oasiskv"):
         (fake_bin / tool).write_text(f'#!/bin/sh\necho {tool} "$@"\n')
         (fake_bin / tool).chmod(0o755)
+    if real_models_cli:
+        # `oasiskv models ...` is the project's own CLI (what the image runs; it refuses to pull a
+        # path, and a registry name is never given here), `oasiskv serve` still the stand-in.
+        real = Path(sys.executable).parent / "oasiskv"
+        (fake_bin / "oasiskv").write_text(
+            f'#!/bin/sh\nif [ "$1" = models ]; then exec {real} "$@"; fi\necho oasiskv "$@"\n')
     return subprocess.run(
         ["bash", str(ENTRYPOINT), *args], capture_output=True, text=True, timeout=30,
         env={"PATH": f"{fake_bin}:{os.environ['PATH']}", "OASISKV_STATE_FILE": str(tmp_path / "role"), **env},
@@ -107,6 +113,35 @@ def test_entrypoint_head_starts_ray_then_serves_keeping_the_key_off_the_command_
     assert lines[1].startswith("ray start --head --port=6379 --include-dashboard=false")
     assert lines[2] == "oasiskv serve --address auto --host 0.0.0.0 --port 8000 --model m"
     assert (tmp_path / "role").read_text().split() == ["api", "8000"]
+
+
+def test_entrypoint_serves_a_model_given_as_a_path_without_pulling_it(tmp_path):
+    """`oasiskv serve --model` takes a Hugging Face directory or a .gguf file, but the entrypoint
+    ran `oasiskv models pull` (registry names only) on OASISKV_MODELS under `set -e`: with the
+    model given as a path (Helm serve.model, compose OASISKV_MODEL) every pod crash-looped."""
+    hf_dir = tmp_path / "models" / "my-hf-model"
+    hf_dir.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (hf_dir / name).write_text("{}")
+    gguf = tmp_path / "models" / "model.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    for model in (str(hf_dir), str(gguf)):
+        result = _entrypoint("head", "--model", model, env={"OASISKV_MODELS": model}, tmp_path=tmp_path,
+                             real_models_cli=True)
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        assert lines[0].startswith("ray start --head"), lines
+        assert lines[1] == f"oasiskv serve --address auto --host 0.0.0.0 --port 8000 --model {model}"
+        assert f"model {model} is a path in this container" in result.stderr
+
+
+def test_entrypoint_names_a_model_path_missing_from_the_container(tmp_path):
+    for model in (str(tmp_path / "not-mounted"), "models/qwen.gguf", "relative.GGUF"):
+        result = _entrypoint("head", "--model", model, env={"OASISKV_MODELS": model}, tmp_path=tmp_path,
+                             real_models_cli=True)
+        assert result.returncode == 1, (model, result.stdout, result.stderr)
+        assert f"model {model} is a path" in result.stderr and "does not exist in this container" in result.stderr
+        assert "ray start" not in result.stdout, "nothing starts without the model"
 
 
 def test_entrypoint_worker_advertises_its_role_resource(tmp_path):

@@ -470,3 +470,14 @@ def test_notes_warn_when_every_pod_shares_a_read_write_once_model_cache(tmp_path
     assert warning(claim, "modelCache.existingClaim=shared") == ""  # its access modes are not ours to know
     assert warning() == ""  # emptyDir, the default
     assert "all 6 pods" in warning(claim, "workers.decode.replicas=3")
+
+
+def test_models_are_pulled_where_a_model_runs_and_not_on_store_pods(rendered):
+    """Every pod pulled serve.model, store pods too, which never load it: minutes of start and a
+    cache's worth of disk for nothing (and, with the model given as a path, a crash loop)."""
+    name, docs = rendered
+    values = effective_values(name)
+    wanted = values["serve"]["model"] if values["modelCache"]["pullAtStart"] else ""
+    for group, template in pod_templates(one(docs, "RayCluster")):
+        env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
+        assert env["OASISKV_MODELS"] == ("" if group == "store" else wanted), (name, group)

@@ -108,11 +108,14 @@ app.kubernetes.io/part-of: oasiskv
 {{- end }}
 {{- end }}
 
+{{/* Environment of every Ray container; called with (dict "root" $ "role" ROLE), ROLE head, prefill,
+     decode or store. Store pods never load the model: nothing to pull there (OASISKV_MODELS empty). */}}
 {{- define "oasiskv.env" -}}
+{{- with .root -}}
 - name: OASISKV_CACHE
   value: /var/cache/oasiskv
 - name: OASISKV_MODELS
-  value: {{ ternary .Values.serve.model "" .Values.modelCache.pullAtStart | quote }}
+  value: {{ ternary .Values.serve.model "" (and .Values.modelCache.pullAtStart (ne $.role "store")) | quote }}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
 - name: RAY_AUTH_MODE
@@ -130,6 +133,7 @@ app.kubernetes.io/part-of: oasiskv
       fieldPath: metadata.name
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
+{{- end }}
 {{- end }}
 {{- end }}
 
