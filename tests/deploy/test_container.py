@@ -41,9 +41,26 @@ def test_install_order_and_pins_mirror_install_sh():
     assert f"torch=={torch}" in (REPO / "pyproject.toml").read_text()
     runs = [args for kind, args in instructions(DOCKERFILE) if kind == "RUN"]
     torch_step = next(i for i, r in enumerate(runs) if '"torch==$TORCH_VERSION"' in r)
-    project_step = next(i for i, r in enumerate(runs) if "pip install ." in r)
+    project_step = next(i for i, r in enumerate(runs) if 'pip install ".[deploy]"' in r)
     assert torch_step < project_step, "torch must be installed before the project"
     assert re.search(r'pip install --no-deps "nixl-cu12==\$NIXL_VERSION" "nixl==\$NIXL_VERSION"', runs[project_step])
+
+
+def test_image_installs_ray_default_so_the_metrics_port_answers():
+    """The chart's PodMonitor and compose's ray-nodes job scrape Ray's per-node metrics on 8080,
+    but the image installed plain `ray`: Ray then starts every node's dashboard agent with
+    --minimal, which never serves --metrics-export-port (ray/dashboard/agent.py writes -1 for
+    it). ray[default] brings the agent's dependencies (checked by hand: a ray[default] 2.60 head
+    started with --include-dashboard=false --metrics-export-port answers /metrics with ray_*
+    series)."""
+    pyproject = (REPO / "pyproject.toml").read_text()
+    ray_pin = re.search(r'"ray==([\w.]+)"', pyproject).group(1)
+    assert re.search(r'^deploy = \["ray\[default\]==' + re.escape(ray_pin) + r'"\]$', pyproject, re.M), \
+        "the deploy extra must pin ray[default] to the project's ray"
+    runs = [args for kind, args in instructions(DOCKERFILE) if kind == "RUN"]
+    project_step = next(r for r in runs if 'pip install ".[deploy]"' in r)
+    # the image build fails where Ray would still start its agent minimal
+    assert "get_dashboard_dependency_error()" in project_step
 
 
 def test_runtime_stage_is_non_root_with_healthcheck_and_volume():
