@@ -71,3 +71,16 @@ def test_rules_use_the_contract_metric_names():
     for rule in alerts():
         for name in re.findall(r"\boasiskv_[a-z0-9_]+", rule["expr"]):
             assert name in known, f"{rule['alert']}: {name} is not in the metrics contract"
+
+
+def test_every_alert_aggregation_keeps_the_namespace():
+    """One Prometheus often scrapes several releases (one per namespace): an aggregation without
+    `namespace` let one release's healthy decode worker or clean traffic hide another's outage,
+    and dropped the label saying which release alerts. The promtool cases with two namespaces
+    show the behaviour; this catches a new rule that aggregates without it."""
+    for rule in alerts():
+        expr = " ".join(rule["expr"].split())
+        for match in re.finditer(r"\b(sum|max|min|avg|count)\s*(by\s*\(([^)]*)\))?\s*\(", expr):
+            grouping = match.group(3)
+            assert grouping is not None and "namespace" in [g.strip() for g in grouping.split(",")], (
+                f"{rule['alert']}: `{match.group(0)}` drops the namespace")
