@@ -481,3 +481,19 @@ def test_models_are_pulled_where_a_model_runs_and_not_on_store_pods(rendered):
     for group, template in pod_templates(one(docs, "RayCluster")):
         env = {e["name"]: e.get("value") for e in template["spec"]["containers"][0]["env"]}
         assert env["OASISKV_MODELS"] == ("" if group == "store" else wanted), (name, group)
+
+
+def test_worker_startup_probes_wait_out_the_model_pull():
+    """The worker pods' startup probe allowed a fixed 900 s while the head's followed
+    modelCache.pullSeconds: raised for a large model, prefill and decode pods were killed in the
+    middle of their first pull, over and over. Store pods pull nothing."""
+    for pull in (600, 1800, 0):
+        docs = [d for d in yaml.safe_load_all(
+            helm_template(None, "--set", f"modelCache.pullSeconds={pull}").stdout) if d]
+        for group, template in pod_templates(one(docs, "RayCluster")):
+            if group == "head":
+                continue
+            probe = template["spec"]["containers"][0]["startupProbe"]
+            allowed = probe["periodSeconds"] * probe["failureThreshold"]
+            wanted = (0 if group == "store" else pull) + 300
+            assert wanted <= allowed < wanted + probe["periodSeconds"], (pull, group, allowed)

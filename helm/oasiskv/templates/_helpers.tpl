@@ -137,15 +137,19 @@ app.kubernetes.io/part-of: oasiskv
 {{- end }}
 {{- end }}
 
-{{/* Exec probe of Ray worker pods: a raylet runs and the head's GCS answers. */}}
+{{/* Exec probe of Ray worker pods: a raylet runs and the head's GCS answers. Called with
+     (dict "root" $ "role" ROLE). The startup probe allows modelCache.pullSeconds for the first
+     pull (and conversion) of the model, as the head's does, plus 300 s for `ray start` to join;
+     a fixed 900 s killed prefill and decode pods mid-pull whenever pullSeconds was raised past
+     600 for a large model. Store pods pull nothing. */}}
 {{- define "oasiskv.workerProbes" -}}
+{{- $pullSeconds := ternary 0 (int .root.Values.modelCache.pullSeconds) (eq .role "store") -}}
 startupProbe:
   exec:
     command: [python, /opt/oasiskv/healthcheck.py]
   periodSeconds: 10
   timeoutSeconds: 5
-  # the first start pulls and converts the model
-  failureThreshold: 90
+  failureThreshold: {{ div (add $pullSeconds 300 9) 10 }}
 livenessProbe:
   exec:
     command: [python, /opt/oasiskv/healthcheck.py]
