@@ -497,3 +497,29 @@ def test_worker_startup_probes_wait_out_the_model_pull():
             allowed = probe["periodSeconds"] * probe["failureThreshold"]
             wanted = (0 if group == "store" else pull) + 300
             assert wanted <= allowed < wanted + probe["periodSeconds"], (pull, group, allowed)
+
+
+def test_requests_above_limits_are_refused_naming_the_group():
+    """Helm merges resources key by key: a user who set only workers.store.resources.limits.memory
+    (6.5Gi) kept the default 8Gi request, and the API server rejected every pod KubeRay made for
+    the group, so the RayCluster never came up. Rendering now fails instead."""
+    def render(*sets: str):
+        return helm_template(None, *[arg for s in sets for arg in ("--set", s)], check=False)
+
+    for refused, message in (
+        (["workers.store.resources.limits.memory=6.5Gi"],
+         "workers.store: resources.requests.memory (8Gi) is more than resources.limits.memory (6.5Gi)"),
+        (["head.resources.limits.cpu=1500m"], "head: resources.requests.cpu (2) is more than resources.limits.cpu (1500m)"),
+        (["workers.decode.resources.requests.cpu=4.5"], "workers.decode: resources.requests.cpu (4.5)"),
+        (["workers.prefill.resources.requests.memory=9G"], "workers.prefill: resources.requests.memory (9G)"),
+        (["workers.prefill.resources.limits.memory=8000Mi"], "resources.limits.memory (8000Mi)"),
+    ):
+        result = render(*refused)
+        assert result.returncode != 0 and message in result.stderr, (refused, result.stderr)
+    for accepted in (["workers.store.resources.limits.memory=6.5Gi", "workers.store.resources.requests.memory=6Gi"],
+                     ["workers.decode.resources.requests.cpu=4000m"],  # equal is allowed
+                     ["head.resources.limits.memory=8192Mi"],
+                     ["workers.prefill.resources.requests.memory=8589934592"],  # 8Gi in bytes
+                     ["workers.prefill.resources.requests.cpu=500m", "workers.prefill.resources.limits.cpu=1"]):
+        result = render(*accepted)
+        assert result.returncode == 0, (accepted, result.stderr)

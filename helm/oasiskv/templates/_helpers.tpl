@@ -164,13 +164,14 @@ readinessProbe:
   failureThreshold: 2
 {{- end }}
 
-{{/* A memory quantity in bytes (binary and decimal suffixes); empty for a form not parsed here
-     (an exponent), which then goes unchecked. */}}
+{{/* A Kubernetes quantity as a number: memory in bytes, CPU in cores (milli "m", binary and
+     decimal suffixes); empty for a form not parsed here (an exponent, "Pi"), which then goes
+     unchecked. */}}
 {{- define "oasiskv.quantityBytes" -}}
 {{- $text := toString . -}}
 {{- $number := regexFind "^[0-9]+(\\.[0-9]*)?" $text -}}
 {{- $suffix := trimPrefix $number $text -}}
-{{- $scale := dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 -}}
+{{- $scale := dict "" 1.0 "m" 0.001 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1000.0 "M" 1000000.0 "G" 1000000000.0 "T" 1000000000000.0 -}}
 {{- if and $number (hasKey $scale $suffix) -}}
 {{- mulf (float64 $number) (get $scale $suffix) -}}
 {{- end -}}
@@ -200,5 +201,31 @@ readinessProbe:
 WARNING: the model cache claim is {{ join ", " $cache.accessModes }}, and all {{ $pods }} pods mount it: they can
 only run on the node that attaches it, and pods on other nodes stay Pending. Use
 modelCache.accessModes [ReadWriteMany] with a storage class that offers it, or volume: emptyDir.
+{{- end -}}
+{{- end }}
+
+{{/* Helm merges a user's resources into the defaults key by key, so setting only a limit keeps the
+     default request (workers.store.resources.limits.memory 6.5Gi beside the default 8Gi request):
+     the API server then rejects every pod KubeRay creates for the group, and the RayCluster never
+     comes up. Fail at render time instead, naming the group and both values. */}}
+{{- define "oasiskv.checkRequestsWithinLimits" -}}
+{{- $groups := list (list "head" .Values.head.resources) -}}
+{{- range $role := list "prefill" "decode" "store" -}}
+{{- $groups = append $groups (list (printf "workers.%s" $role) (index $.Values.workers $role).resources) -}}
+{{- end -}}
+{{- range $group := $groups -}}
+{{- $name := index $group 0 -}}
+{{- $resources := index $group 1 | default dict -}}
+{{- range $kind := list "cpu" "memory" -}}
+{{- $request := dig "requests" $kind "" $resources -}}
+{{- $limit := dig "limits" $kind "" $resources -}}
+{{- if and $request $limit -}}
+{{- $requestValue := include "oasiskv.quantityBytes" $request -}}
+{{- $limitValue := include "oasiskv.quantityBytes" $limit -}}
+{{- if and $requestValue $limitValue (gt (float64 $requestValue) (float64 $limitValue)) -}}
+{{- fail (printf "%s: resources.requests.%s (%v) is more than resources.limits.%s (%v); Kubernetes rejects such a pod: set both (Helm keeps the default of the one not set)" $name $kind $request $kind $limit) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end }}
