@@ -179,8 +179,11 @@ def test_entrypoint_rejects_unknown_worker_roles(tmp_path):
     assert result.returncode == 2 and "unknown worker role" in result.stderr
 
 
-def test_entrypoint_runs_kuberays_command_through_a_shell(tmp_path):
-    command = 'ray start --address=head-svc:6379 --resources="{\\"oasiskv_store\\": 1}" --block'
+# KubeRay pastes rayStartParams.resources as given: the chart's single-quoted form (what KubeRay
+# itself writes), and the escaped double quotes of KubeRay's older docs.
+@pytest.mark.parametrize("resources", ["'{\"oasiskv_store\": 1}'", '"{\\"oasiskv_store\\": 1}"'])
+def test_entrypoint_runs_kuberays_command_through_a_shell(tmp_path, resources):
+    command = f'ray start --address=head-svc:6379 --resources={resources} --block'
     result = _entrypoint("kuberay", env={"KUBERAY_GEN_RAY_START_CMD": command, "OASISKV_ROLE": "store"},
                          tmp_path=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -67,10 +67,10 @@ def head_args(cluster: dict) -> dict[str, str]:
 
 
 def ray_resources(group: dict) -> dict[str, int]:
-    """rayStartParams.resources is shell-quoted JSON, KubeRay's documented format."""
+    """rayStartParams.resources is JSON in single quotes, the form KubeRay itself writes."""
     value = group["rayStartParams"]["resources"]
-    assert value.startswith('"') and value.endswith('"'), value
-    return json.loads(value[1:-1].replace('\\"', '"'))
+    assert value.startswith("'") and value.endswith("'"), value
+    return json.loads(value[1:-1])
 
 
 def pod_templates(cluster: dict) -> list[tuple[str, dict]]:
@@ -523,3 +523,20 @@ def test_requests_above_limits_are_refused_naming_the_group():
                      ["workers.prefill.resources.requests.cpu=500m", "workers.prefill.resources.limits.cpu=1"]):
         result = render(*accepted)
         assert result.returncode == 0, (accepted, result.stderr)
+
+
+def test_kuberay_and_the_shell_both_read_every_groups_ray_resources(rendered):
+    """KubeRay >= 1.3 parses rayStartParams.resources itself (pod.go getResourcesMap:
+    strings.Trim(value, "'\\"` ") then json.Unmarshal) before adding --num-gpus from the GPU limit.
+    The chart's "{\\"oasiskv_prefill\\": 1}" kept its backslashes after the trim: the parse failed,
+    --num-gpus was skipped and the operator logged the error every reconcile. Both readers are
+    emulated here: KubeRay's trim and JSON parse, and the shell that runs the `ray start` KubeRay
+    builds (` --resources=VALUE `, through the entrypoint's `bash -c`)."""
+    name, docs = rendered
+    values = effective_values(name)
+    for group in one(docs, "RayCluster")["spec"]["workerGroupSpecs"]:
+        role, value = group["groupName"], group["rayStartParams"]["resources"]
+        wanted = {f"oasiskv_{role}": values["workers"][role]["rayResourceUnits"]}
+        assert json.loads(value.strip("'\"` ")) == wanted, (name, role, value)
+        argv = run(["bash", "-c", f"printf '%s\\n' --resources={value}"]).stdout.splitlines()
+        assert len(argv) == 1 and json.loads(argv[0].removeprefix("--resources=")) == wanted, (name, role, argv)

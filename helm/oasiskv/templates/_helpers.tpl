@@ -72,10 +72,13 @@ app.kubernetes.io/part-of: oasiskv
 {{- minf 1 (index $shares 0) (index $shares 1) -}}
 {{- end }}
 
-{{/* The rayStartParams `resources` value in KubeRay's documented format: a JSON object inside
-     literal double quotes, backslash-escaped, because KubeRay pastes it into a shell command. */}}
+{{/* The rayStartParams `resources` value as KubeRay itself writes it (fmt.Sprintf("'%s'", json)):
+     JSON inside single quotes, for the shell KubeRay's `ray start` command runs in. The form with
+     escaped double quotes ("{\"oasiskv_prefill\": 1}") also reached Ray, but KubeRay >= 1.3 reads
+     the value too (getResourcesMap: strings.Trim(s, "'\"` ") then json.Unmarshal), failed on the
+     backslashes left inside, skipped adding --num-gpus and logged an error every reconcile. */}}
 {{- define "oasiskv.rayResources" -}}
-{{- printf "\"{\\\"oasiskv_%s\\\": %d}\"" .role (int .units) -}}
+{{- printf "'{\"oasiskv_%s\": %d}'" .role (int .units) -}}
 {{- end }}
 
 {{/* Volumes every Ray pod mounts: shared memory for the object store, the model cache, /tmp. */}}
