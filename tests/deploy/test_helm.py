@@ -11,9 +11,14 @@ with `kubernetes-validate --strict`. A kind that neither path knows fails the te
 from __future__ import annotations
 
 import base64
+import http.server
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tarfile
+import threading
 from pathlib import Path
 
 import jsonschema
@@ -540,3 +545,52 @@ def test_kuberay_and_the_shell_both_read_every_groups_ray_resources(rendered):
         assert json.loads(value.strip("'\"` ")) == wanted, (name, role, value)
         argv = run(["bash", "-c", f"printf '%s\\n' --resources={value}"]).stdout.splitlines()
         assert len(argv) == 1 and json.loads(argv[0].removeprefix("--resources=")) == wanted, (name, role, argv)
+
+
+class _FakeAPI(http.server.BaseHTTPRequestHandler):
+    """Stands in, as an HTTP proxy, for the API Service the `helm test` pod calls: the pod's own
+    script then runs unchanged, its Service URL reaching this server through http_proxy."""
+    model_id = "smollm2-135m"
+
+    def do_GET(self):  # noqa: N802
+        # a proxy receives the absolute URL: http://oasis-oasiskv-api:8000/v1/models
+        body = {"/health": {"status": "ok"},
+                "/v1/models": {"object": "list", "data": [{"id": self.model_id, "object": "model"}]}}.get(
+                    "/" + self.path.split("/", 3)[-1])
+        self.send_response(200 if body else 404)
+        self.end_headers()
+        self.wfile.write(json.dumps(body).encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def run_helm_test_pod(pod: dict, model_id: str) -> subprocess.CompletedProcess:
+    container = pod["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    _FakeAPI.model_id = model_id
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeAPI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert container["command"][0] == "python"
+        return subprocess.run([sys.executable, *container["command"][1:]], capture_output=True, text=True, timeout=30,
+                              env={"PATH": os.environ["PATH"], "http_proxy": f"http://127.0.0.1:{server.server_address[1]}",
+                                   **env})
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_helm_test_pod_accepts_the_served_model_name():
+    """The `helm test` pod asserted that /v1/models lists serve.model, but the API lists
+    --served-model-name when serve.extraArgs gives one: `helm test` failed on a healthy release.
+    The pod's own script is run here against a stand-in API."""
+    for extra, listed in (("[]", "smollm2-135m"),
+                          ('["--served-model-name", "chat", "--store-ttl-s", 300]', "chat"),
+                          ('["--served-model-name=chat"]', "chat")):
+        docs = [d for d in yaml.safe_load_all(helm_template(None, "--set-json", f"serve.extraArgs={extra}").stdout) if d]
+        pod = next(d for d in docs if d["kind"] == "Pod" and d["metadata"]["name"].endswith("-test-api"))
+        result = run_helm_test_pod(pod, listed)
+        assert result.returncode == 0 and result.stdout.strip() == "ok", (extra, result.stdout, result.stderr)
+        # and it still fails when the API lists another model
+        assert run_helm_test_pod(pod, "another-model").returncode != 0, extra

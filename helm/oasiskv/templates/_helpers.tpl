@@ -232,3 +232,19 @@ modelCache.accessModes [ReadWriteMany] with a storage class that offers it, or v
 {{- end -}}
 {{- end -}}
 {{- end }}
+
+{{/* The model id the API lists: `--served-model-name` from serve.extraArgs when given (either
+     form; the last wins, as argparse has it), else serve.model. */}}
+{{- define "oasiskv.servedModelName" -}}
+{{- $served := toString .Values.serve.model -}}
+{{- $args := .Values.serve.extraArgs | default list -}}
+{{- range $i, $arg := $args -}}
+{{- $text := toString $arg -}}
+{{- if and (eq $text "--served-model-name") (lt (add1 $i) (len $args)) -}}
+{{- $served = toString (index $args (add1 $i)) -}}
+{{- else if hasPrefix "--served-model-name=" $text -}}
+{{- $served = trimPrefix "--served-model-name=" $text -}}
+{{- end -}}
+{{- end -}}
+{{- $served -}}
+{{- end }}
