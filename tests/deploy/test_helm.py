@@ -594,3 +594,52 @@ def test_the_helm_test_pod_accepts_the_served_model_name():
         assert result.returncode == 0 and result.stdout.strip() == "ok", (extra, result.stdout, result.stderr)
         # and it still fails when the API lists another model
         assert run_helm_test_pod(pod, "another-model").returncode != 0, extra
+
+
+def render_notes(tmp_path: Path, values: Path | None, *sets: str) -> str:
+    """NOTES.txt as `helm install` prints it: `helm template` leaves NOTES out, so a copy of the
+    chart renders the file itself (tpl, with the release's values) into a ConfigMap."""
+    chart = tmp_path / "oasiskv"
+    if not chart.exists():
+        shutil.copytree(CHART, chart, symlinks=False)
+        shutil.copy(chart / "templates" / "NOTES.txt", chart / "notes-source.txt")
+        (chart / "templates" / "notes.yaml").write_text(
+            'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n'
+            'data: {text: {{ tpl (.Files.Get "notes-source.txt") . | quote }}}\n')
+    argv = [require_tool("helm"), "template", "oasis", str(chart), "--namespace", "llm",
+            "--show-only", "templates/notes.yaml"]
+    if values is not None:
+        argv += ["--values", str(values)]
+    return yaml.safe_load(run(argv + [a for s in sets for a in ("--set", s)]).stdout)["data"]["text"]
+
+
+def test_notes_curl_sends_the_api_key_read_from_its_secret(tmp_path):
+    """With an API key NOTES told users to `curl /v1/models` without an Authorization header: a
+    401 as their first contact. The commands NOTES prints are run here, kubectl and curl stubbed
+    (kubectl answers from the Secret the chart renders; curl prints its arguments)."""
+    values = VALUE_SETS["cpu-demo"]
+    docs = [d for d in yaml.safe_load_all(helm_template(values).stdout) if d]
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-api-key")]
+    (key,) = secret["data"]
+    stubs = tmp_path / "bin"
+    stubs.mkdir()
+    (stubs / "kubectl").write_text(
+        '#!/bin/sh\n'
+        f'[ "$*" = "-n llm get secret {secret["metadata"]["name"]} -o jsonpath={{.data.{key}}}" ] || exit 3\n'
+        f'printf %s {secret["data"][key]}\n')
+    (stubs / "curl").write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+
+    def curl_argv(notes: str) -> list[str]:
+        lines = [line.strip() for line in notes.splitlines()
+                 if line.strip().startswith(("export OASISKV_API_KEY=", "curl "))]
+        result = run(["bash", "-ec", "\n".join(lines)], env={"PATH": f"{stubs}:{os.environ['PATH']}"})
+        return result.stdout.splitlines()
+
+    notes = render_notes(tmp_path / "chart", values)
+    assert curl_argv(notes) == ["-H", "Authorization: Bearer demo-key", "http://127.0.0.1:8000/v1/models"]
+    # without a key: no header, and no Secret to read
+    notes = render_notes(tmp_path / "chart", None)
+    assert "OASISKV_API_KEY" not in notes
+    assert curl_argv(notes) == ["http://127.0.0.1:8000/v1/models"]
