@@ -643,3 +643,17 @@ def test_notes_curl_sends_the_api_key_read_from_its_secret(tmp_path):
     notes = render_notes(tmp_path / "chart", None)
     assert "OASISKV_API_KEY" not in notes
     assert curl_argv(notes) == ["http://127.0.0.1:8000/v1/models"]
+
+
+def test_vllm_prefill_on_the_cuda_image_is_refused():
+    """The vLLM connector reads only vLLM's CPU KV cache and refuses a CUDA one when the prefill
+    worker starts (oasiskv/prefill_node/vllm_connector.py): serve.prefillEngine=vllm with the CUDA
+    image rendered, and its prefill workers could never start."""
+    gpu_values = VALUE_SETS["gpu-cluster"]
+    for values, sets in ((gpu_values, ["serve.prefillEngine=vllm"]),
+                         (gpu_values, ["serve.prefillEngine=vllm", "serve.device=cpu"]),  # still the CUDA build of vLLM
+                         (None, ["serve.prefillEngine=vllm", "image.device=cuda", "serve.device=cpu"])):
+        result = helm_template(values, *[a for s in sets for a in ("--set", s)], check=False)
+        assert result.returncode != 0 and "serve.prefillEngine=vllm needs the CPU image" in result.stderr, (sets, result.stderr)
+    assert helm_template(gpu_values, "--set", "serve.prefillEngine=oasiskv").returncode == 0
+    assert helm_template(None, "--set", "serve.prefillEngine=vllm").returncode == 0

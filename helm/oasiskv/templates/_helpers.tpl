@@ -248,3 +248,13 @@ modelCache.accessModes [ReadWriteMany] with a storage class that offers it, or v
 {{- end -}}
 {{- $served -}}
 {{- end }}
+
+{{/* The vLLM prefill engine's connector (OasisKVConnector) reads only vLLM's CPU KV cache and
+     refuses any other when the prefill worker starts (prefill_node/vllm_connector.py
+     _require_cpu_cache); the CUDA image's vLLM is the CUDA build, whose cache is on the GPU
+     whatever serve.device says. Refused here rather than as prefill workers that never start. */}}
+{{- define "oasiskv.checkPrefillEngine" -}}
+{{- if and (eq .Values.serve.prefillEngine "vllm") (eq .Values.image.device "cuda") -}}
+{{- fail "serve.prefillEngine=vllm needs the CPU image (image.device=cpu, built with VLLM=1): the vLLM connector reads only vLLM's CPU KV cache, and the CUDA image's vLLM keeps it on the GPU, so every prefill worker would fail at start" -}}
+{{- end -}}
+{{- end }}
