@@ -27,6 +27,9 @@ MAGIC = b"OKV1"
 PREFIX = struct.Struct("!4sIQ")
 MAX_HEADER_BYTES = 1 << 20
 MAX_PAYLOAD_BYTES = 1 << 40
+# Buffers for payloads that are not received in place start at most this big and grow as the
+# bytes arrive: a frame that only claims a big payload must not make the receiver commit it.
+RECV_CHUNK_BYTES = 1 << 20
 VERSION = 2
 
 
@@ -93,9 +96,21 @@ class Payload:
 
     def read_bytes(self, n: int) -> bytearray:
         self._take(n)
-        buf = bytearray(n)
-        recv_into(self.sock, memoryview(buf), "payload")
-        return buf
+        # Grown geometrically as data arrives (a bytearray(n) up front let a 16-byte frame that
+        # claimed 1 GiB add 1 GiB to the store's RSS), so at most about twice what was received.
+        buf = bytearray(min(n, RECV_CHUNK_BYTES))
+        got = 0
+        while True:
+            try:
+                recv_into(self.sock, memoryview(buf)[got:], "payload")
+            except ProtocolError as exc:
+                received = got + int(exc.fields.get("received", 0))
+                raise ProtocolError(f"truncated payload: connection closed after {received} of {n} bytes",
+                                    received=received, expected=n) from None
+            got = len(buf)
+            if got == n:
+                return buf
+            buf += bytes(min(n - got, got))
 
     def read_into(self, view: memoryview) -> None:
         self._take(view.nbytes)

@@ -28,6 +28,9 @@ from .summary import QuantizedSummaries
 log = logging.getLogger(__name__)
 
 Reply = tuple[dict[str, Any], list[Any]]
+# A NIXL agent's metadata is a few hundred bytes (331 with UCX); a hello that claims more is not
+# from a client of ours.
+MAX_HELLO_METADATA_BYTES = 4 << 20
 
 
 class _Connection:
@@ -285,6 +288,9 @@ class KVStoreServer:
         payloads: list[Any] = []
         wants_nixl = bool(header.get("nixl"))
         if wants_nixl and self.nixl is not None:
+            if payload.remaining > MAX_HELLO_METADATA_BYTES:
+                raise ProtocolError(f"hello carries {payload.remaining} bytes of NIXL metadata, more than "
+                                    f"{MAX_HELLO_METADATA_BYTES}")
             metadata = payload.read_bytes(payload.remaining)
             if metadata:
                 conn.nixl_peer = self.nixl.add_peer(bytes(metadata))
