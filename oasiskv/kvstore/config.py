@@ -49,7 +49,9 @@ class KVStoreConfig(BaseModel):
     # (NIXL's own progress thread busy-polls a whole core).
     nixl_poll_interval_s: float = Field(default=0.001, gt=0, le=1.0)
 
-    # A frame that starts must finish within this time, or the connection is dropped.
+    # A request frame must arrive whole within this time of its first byte, and a reply must be
+    # sent whole within it, or the connection is dropped (a peer that trickles bytes must not keep
+    # the request it pinned).
     frame_timeout_s: float = Field(default=30.0, gt=0)
     max_connections: int = Field(default=256, gt=0)
 

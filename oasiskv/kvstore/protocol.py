@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -37,51 +38,106 @@ class ConnectionClosed(Exception):
     """The peer closed the connection between frames (a normal end, not an error)."""
 
 
+class FrameTimeout(TimeoutError):
+    """A frame was not complete by its deadline."""
+
+
+class Deadline:
+    """The time by which a whole frame must be through the socket.
+
+    A timeout per recv let a peer that sent one byte every 10 s keep a 30 s frame open forever,
+    and with it the request it pinned. Each blocking call now waits at most for the time left.
+    The socket's timeout is set again only when it could overshoot the deadline by more than
+    `slack` (settimeout is a syscall, and a write lands in the arena run by run)."""
+
+    def __init__(self, sock: socket.socket, seconds: float):
+        self.sock = sock
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+        self._slack = min(1.0, seconds / 10)
+        self._armed_at = -float("inf")
+
+    def arm(self, what: str) -> None:
+        now = time.monotonic()
+        left = self.at - now
+        if left <= 0:
+            raise FrameTimeout(f"{what} not complete within the frame timeout of {self.seconds:g} s")
+        if now - self._armed_at >= self._slack:
+            self.sock.settimeout(left)
+            self._armed_at = now
+
+
 def encode_header(header: dict[str, Any]) -> bytes:
     return json.dumps(header, separators=(",", ":")).encode()
 
 
-def send_frame(sock: socket.socket, header: dict[str, Any], payloads: Sequence[Any] = ()) -> None:
+def send_frame(sock: socket.socket, header: dict[str, Any], payloads: Sequence[Any] = (),
+               timeout: float | None = None) -> None:
+    """timeout: for the whole frame (else the socket's own, per send call)."""
     views = [memoryview(p).cast("B") for p in payloads]
     head = encode_header(header)
     total = sum(v.nbytes for v in views)
-    send_views(sock, [memoryview(PREFIX.pack(MAGIC, len(head), total) + head)] + views)
+    deadline = None if timeout is None else Deadline(sock, timeout)
+    send_views(sock, [memoryview(PREFIX.pack(MAGIC, len(head), total) + head)] + views, deadline)
 
 
 _IOV_BATCH = 512  # below IOV_MAX (1024) on Linux
 
 
-def send_views(sock: socket.socket, views: list[memoryview]) -> None:
+def send_views(sock: socket.socket, views: list[memoryview], deadline: Deadline | None = None) -> None:
     """sendall for many buffers: gathered sendmsg calls instead of one syscall per buffer."""
     views = [v for v in views if v.nbytes]
     i = 0
-    while i < len(views):
-        batch = views[i:i + _IOV_BATCH]
-        sent = sock.sendmsg(batch)
-        # Partial send: skip the fully sent buffers, finish the cut one with sendall.
-        for view in batch:
-            if sent >= view.nbytes:
-                sent -= view.nbytes
+    try:
+        while i < len(views):
+            batch = views[i:i + _IOV_BATCH]
+            if deadline is not None:
+                deadline.arm("sending a frame")
+            sent = sock.sendmsg(batch)
+            # Partial send: skip the fully sent buffers, finish the cut one with sendall.
+            for view in batch:
+                if sent >= view.nbytes:
+                    sent -= view.nbytes
+                    i += 1
+                    continue
+                if deadline is not None:
+                    deadline.arm("sending a frame")
+                sock.sendall(view[sent:])
                 i += 1
-                continue
-            sock.sendall(view[sent:])
-            i += 1
-            break
+                break
+    except FrameTimeout:
+        raise
+    except TimeoutError:
+        if deadline is None:
+            raise
+        raise FrameTimeout(f"sending a frame not complete within the frame timeout of {deadline.seconds:g} s "
+                           "(the peer does not read)") from None
 
 
-def send_error(sock: socket.socket, error: KVStoreError, request_seq: int | None = None) -> None:
+def send_error(sock: socket.socket, error: KVStoreError, request_seq: int | None = None,
+               timeout: float | None = None) -> None:
     header: dict[str, Any] = {"ok": False, "error": error.to_wire()}
     if request_seq is not None:
         header["seq"] = request_seq
-    send_frame(sock, header)
+    send_frame(sock, header, timeout=timeout)
 
 
-def recv_into(sock: socket.socket, view: memoryview, what: str = "frame") -> None:
-    """Fill view completely; a peer that stops early makes a ProtocolError."""
+def recv_into(sock: socket.socket, view: memoryview, what: str = "frame", deadline: Deadline | None = None) -> None:
+    """Fill view completely; a peer that stops early makes a ProtocolError, one that is not done
+    by the deadline a FrameTimeout."""
     got = 0
     total = view.nbytes
     while got < total:
-        n = sock.recv_into(view[got:], total - got)
+        if deadline is None:
+            n = sock.recv_into(view[got:], total - got)
+        else:
+            deadline.arm(what)
+            try:
+                n = sock.recv_into(view[got:], total - got)
+            except FrameTimeout:
+                raise
+            except TimeoutError:
+                raise FrameTimeout(f"{what} not complete within the frame timeout of {deadline.seconds:g} s") from None
         if n == 0:
             raise ProtocolError(f"truncated {what}: connection closed after {got} of {total} bytes", received=got, expected=total)
         got += n
@@ -90,9 +146,12 @@ def recv_into(sock: socket.socket, view: memoryview, what: str = "frame") -> Non
 class Payload:
     """The payload of one received frame, consumed in order."""
 
-    def __init__(self, sock: socket.socket, length: int):
+    def __init__(self, sock: socket.socket, length: int, deadline: Deadline | None = None):
         self.sock = sock
+        self.length = length
         self.remaining = length
+        self.deadline = deadline
+        self._what = f"payload of {length} bytes"
 
     def read_bytes(self, n: int) -> bytearray:
         self._take(n)
@@ -102,7 +161,7 @@ class Payload:
         got = 0
         while True:
             try:
-                recv_into(self.sock, memoryview(buf)[got:], "payload")
+                recv_into(self.sock, memoryview(buf)[got:], self._what, self.deadline)
             except ProtocolError as exc:
                 received = got + int(exc.fields.get("received", 0))
                 raise ProtocolError(f"truncated payload: connection closed after {received} of {n} bytes",
@@ -114,7 +173,7 @@ class Payload:
 
     def read_into(self, view: memoryview) -> None:
         self._take(view.nbytes)
-        recv_into(self.sock, view, "payload")
+        recv_into(self.sock, view, self._what, self.deadline)
 
     def read_indices(self, n: int, count: int = 3) -> list[np.ndarray]:
         """`count` little-endian int32 arrays of length n."""
@@ -128,7 +187,7 @@ class Payload:
         while self.remaining:
             n = min(self.remaining, len(scratch))
             self.remaining -= n
-            recv_into(self.sock, memoryview(scratch)[:n], "payload")
+            recv_into(self.sock, memoryview(scratch)[:n], self._what, self.deadline)
 
     def _take(self, n: int) -> None:
         if n > self.remaining:
@@ -136,26 +195,31 @@ class Payload:
         self.remaining -= n
 
 
-def recv_frame_header(sock: socket.socket, frame_timeout: float | None) -> tuple[dict[str, Any], Payload]:
+def recv_frame_header(sock: socket.socket, frame_timeout: float | None,
+                      whole_frame: bool = False) -> tuple[dict[str, Any], Payload]:
     """Read prefix + header. Waits indefinitely (or the socket's timeout) for the first byte,
-    then at most frame_timeout for the rest of the header."""
+    then at most frame_timeout for the rest of the header, per recv call; with whole_frame, the
+    rest of the frame (payload included) must arrive within frame_timeout of its first byte."""
     prefix = bytearray(PREFIX.size)
     first = sock.recv_into(prefix, PREFIX.size)
     if first == 0:
         raise ConnectionClosed()
     saved_timeout = sock.gettimeout()
+    deadline = None
     if frame_timeout is not None:
         sock.settimeout(frame_timeout)
+        if whole_frame:
+            deadline = Deadline(sock, frame_timeout)
     try:
         if first < PREFIX.size:
-            recv_into(sock, memoryview(prefix)[first:], "frame prefix")
+            recv_into(sock, memoryview(prefix)[first:], "frame prefix", deadline)
         magic, header_len, payload_len = PREFIX.unpack(prefix)
         if magic != MAGIC:
             raise ProtocolError(f"bad frame magic {bytes(magic)!r} (not an OasisKV peer?)")
         if header_len > MAX_HEADER_BYTES or payload_len > MAX_PAYLOAD_BYTES:
             raise ProtocolError(f"oversized frame: header {header_len} B, payload {payload_len} B")
         raw = bytearray(header_len)
-        recv_into(sock, memoryview(raw), "frame header")
+        recv_into(sock, memoryview(raw), "frame header", deadline)
         try:
             header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -167,7 +231,7 @@ def recv_frame_header(sock: socket.socket, frame_timeout: float | None) -> tuple
         raise
     # The payload that follows is read under frame_timeout too; the caller restores the idle
     # timeout once the whole frame is consumed.
-    return header, Payload(sock, payload_len)
+    return header, Payload(sock, payload_len, deadline)
 
 
 def index_payload(layers: np.ndarray, heads: np.ndarray, blocks: np.ndarray) -> bytes:

@@ -21,7 +21,7 @@ from .config import KVStoreConfig
 from .errors import InvalidArgument, KVStoreError, ProtocolError, RemoteError, UnknownRequest
 from .hostmem import byte_view, merge_runs
 from .layout import KVLayout
-from .protocol import VERSION, ConnectionClosed, Payload, recv_frame_header, send_error, send_frame
+from .protocol import VERSION, ConnectionClosed, FrameTimeout, Payload, recv_frame_header, send_error, send_frame
 from .store import KVStore, check_unit_bytes
 from .summary import QuantizedSummaries
 
@@ -208,7 +208,7 @@ class KVStoreServer:
             while not self._stopping.is_set():
                 sock.settimeout(None)  # idle between frames: wait as long as the client likes
                 try:
-                    header, payload = recv_frame_header(sock, self.config.frame_timeout_s)
+                    header, payload = recv_frame_header(sock, self.config.frame_timeout_s, whole_frame=True)
                 except ConnectionClosed:
                     return
                 if not self._serve_frame(conn, header, payload):
@@ -217,10 +217,12 @@ class KVStoreServer:
             # Garbage or a frame that stopped midway: the stream cannot be trusted any more.
             self.metrics.errors.labels("ProtocolError").inc()
             log.info("dropping %s: %s", conn.peer, exc.message)
-            try:
-                send_error(sock, exc)
-            except OSError:
-                pass
+            self._send_last_error(sock, exc)
+        except FrameTimeout as exc:
+            # A peer that trickles a frame must not keep what the frame pinned (a request's memory).
+            self.metrics.errors.labels("FrameTimeout").inc()
+            log.info("dropping %s: %s", conn.peer, exc)
+            self._send_last_error(sock, ProtocolError(str(exc), frame_timeout_s=self.config.frame_timeout_s))
         except OSError as exc:  # reset, timeout mid-frame, or our own stop()
             if not self._stopping.is_set():
                 self.metrics.errors.labels("ConnectionLost").inc()
@@ -239,26 +241,35 @@ class KVStoreServer:
             payload.drain()
             if reply is not None:
                 reply_header, reply_payloads = reply
-                send_frame(conn.sock, {"ok": True, "seq": seq, **reply_header}, reply_payloads)
+                send_frame(conn.sock, {"ok": True, "seq": seq, **reply_header}, reply_payloads,
+                           timeout=self.config.frame_timeout_s)
         except ProtocolError:
             raise
         except KVStoreError as exc:
             if not _counted(exc):
                 self.metrics.errors.labels(type(exc).__name__).inc()
             payload.drain()
-            send_error(conn.sock, exc, seq)
+            send_error(conn.sock, exc, seq, self.config.frame_timeout_s)
         except (KeyError, TypeError, ValueError) as exc:
             self.metrics.errors.labels("InvalidArgument").inc()
             payload.drain()
-            send_error(conn.sock, InvalidArgument(f"malformed {header.get('op')!r} request: {exc!r}"), seq)
+            send_error(conn.sock, InvalidArgument(f"malformed {header.get('op')!r} request: {exc!r}"), seq,
+                       self.config.frame_timeout_s)
         except OSError:
             raise
         except Exception as exc:  # a bug here must not take the store down
             log.exception("error serving %s", header.get("op"))
             self.metrics.errors.labels("RemoteError").inc()
             payload.drain()
-            send_error(conn.sock, RemoteError(f"{type(exc).__name__}: {exc}"), seq)
+            send_error(conn.sock, RemoteError(f"{type(exc).__name__}: {exc}"), seq, self.config.frame_timeout_s)
         return True
+
+    def _send_last_error(self, sock: socket.socket, error: KVStoreError) -> None:
+        try:
+            # Bounded: the peer may not be reading at all.
+            send_error(sock, error, timeout=min(1.0, self.config.frame_timeout_s))
+        except OSError:
+            pass
 
     def _close_connection(self, conn: _Connection) -> None:
         with self._conn_lock:
@@ -338,9 +349,11 @@ class KVStoreServer:
             _, _, _, offsets = self.store.unit_offsets(request, layers, heads, blocks)
             unit = request.layout.unit_bytes
             addresses, lengths = self.store.arena_runs(offsets, unit)
-            # Sent straight from the arena while the request is pinned: no staging copy.
+            # Sent straight from the arena while the request is pinned: no staging copy. A reader that
+            # stops reading holds the pin for frame_timeout_s at most.
             views = [byte_view(a, l) for a, l in zip(addresses.tolist(), lengths.tolist())]
-            send_frame(conn.sock, {"ok": True, "seq": header.get("seq"), "nbytes": n * unit}, views)
+            send_frame(conn.sock, {"ok": True, "seq": header.get("seq"), "nbytes": n * unit}, views,
+                       timeout=self.config.frame_timeout_s)
         self.store.record_read(n, n * unit, "tcp")
         return None
 

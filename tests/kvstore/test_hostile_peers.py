@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from oasiskv.kvstore import connect
+from oasiskv.kvstore import KVStoreServer, connect
 from oasiskv.kvstore.protocol import MAGIC, PREFIX, recv_frame_header
 
 from .helpers import LAYOUT, store_process
@@ -45,3 +45,93 @@ def test_a_frame_that_only_claims_a_big_payload_costs_the_store_no_memory():
             assert c.stats().num_requests == 0
         for sock in socks:
             sock.close()
+
+
+def errors(server: KVStoreServer, kind: str) -> float:
+    return server.metrics.registry.get_sample_value("oasiskv_kvstore_errors_total", {"type": kind}) or 0.0
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> float | None:
+    """Seconds until predicate() held, or None if it never did within timeout."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(interval)
+    return None
+
+
+@pytest.fixture
+def quick_server():
+    srv = KVStoreServer(capacity_bytes=64 << 20, prefault=False, frame_timeout_s=1.0, transport="tcp")
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_a_write_dripped_a_byte_at_a_time_is_dropped_at_the_frame_timeout(quick_server):
+    """frame_timeout_s bounded each recv, not the frame: a writer sending a byte every 10 s kept
+    its request pinned forever, so the request's free (and its TTL) gave nothing back."""
+    with connect(quick_server.address, transport="tcp", timeout=5) as c:
+        c.allocate("victim", LAYOUT, 64)
+        sock = socket.create_connection(("127.0.0.1", quick_server.port), timeout=5)
+        idx = np.zeros(3, "<i4").tobytes()
+        head = json.dumps({"op": "write", "rid": "victim", "n": 1, "seq": 1}).encode()
+        sock.sendall(PREFIX.pack(MAGIC, len(head), len(idx) + LAYOUT.unit_bytes) + head + idx + b"x")
+        time.sleep(0.2)
+        c.free("victim")
+        before = errors(quick_server, "FrameTimeout")
+
+        def drip_and_check() -> bool:
+            try:
+                sock.sendall(b"x")  # well inside the per-recv timeout
+            except OSError:
+                pass
+            return c.stats().used_bytes == 0
+
+        took = wait_until(drip_and_check, 5, interval=0.25)
+        assert took is not None, "the dripping writer kept the freed request's memory"
+        assert took < 2.5
+        assert errors(quick_server, "FrameTimeout") == before + 1
+        try:
+            reply, _ = recv_frame_header(sock, 5)
+        except OSError:  # the store closed; our later drips may have reset the connection
+            pass
+        else:
+            assert reply["error"]["type"] == "ProtocolError"
+            assert "frame timeout of 1 s" in reply["error"]["message"]
+        sock.close()
+
+
+def test_a_reader_that_drains_its_reply_slowly_is_dropped_at_the_frame_timeout():
+    """The store sends a read reply straight from the arena while the request is pinned, and each
+    send call had the timeout, not the reply: a reader taking 512 KiB every 0.2 s kept a freed
+    32 MiB request for about 7 s with a 2 s frame timeout (for minutes with bigger requests)."""
+    with KVStoreServer(capacity_bytes=64 << 20, prefault=False, frame_timeout_s=2.0, transport="tcp") as srv, \
+            connect(srv.address, transport="tcp", timeout=5) as c:
+        num_blocks = 2048
+        c.allocate("slowly-read", LAYOUT, num_blocks * LAYOUT.block_size)
+        # Backwards: no two units merge into one run, so the reply goes out in many sends.
+        units = np.indices((LAYOUT.num_layers, LAYOUT.num_kv_heads, num_blocks)).reshape(3, -1)[:, ::-1]
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+        sock.settimeout(5)
+        sock.connect(("127.0.0.1", srv.port))
+        n = units.shape[1]
+        head = json.dumps({"op": "read", "rid": "slowly-read", "n": n, "seq": 1}).encode()
+        sock.sendall(PREFIX.pack(MAGIC, len(head), 12 * n) + head + units.astype("<i4").tobytes())
+        time.sleep(0.2)
+        c.free("slowly-read")
+
+        def drain_some_and_check() -> bool:
+            try:
+                sock.recv(512 << 10)
+            except OSError:
+                pass
+            return c.stats().used_bytes == 0
+
+        took = wait_until(drain_some_and_check, 15, interval=0.2)
+        assert took is not None, "the slow reader kept the freed request's memory"
+        assert took < 3.5
+        assert errors(srv, "FrameTimeout") == 1
+        sock.close()
