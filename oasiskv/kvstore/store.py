@@ -412,11 +412,16 @@ class KVStore:
         self._update_gauges()
 
     def _release_if_unused(self, request: _Request) -> None:
-        if request.dead and request.pins == 0 and not request.holders and request.table.size:
-            self._held.pop(request.serial, None)
+        if not request.dead or request.pins or request.holders:
+            return
+        # A request of no blocks is let go too: it stayed held, its hold "expiring" at every tick.
+        was_held = self._held.pop(request.serial, None) is not None
+        if request.table.size:
             self.allocator.release(request.table, request.layout.chunk_bytes)
             request.table = np.zeros(0, np.int64)
-            self._update_gauges()
+        elif not was_held:
+            return
+        self._update_gauges()
 
     def _end_overdue_holds(self) -> None:
         now = self.clock()

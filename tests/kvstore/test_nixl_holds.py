@@ -16,7 +16,7 @@ import uuid
 import pytest
 import torch
 
-from oasiskv.kvstore import KVStoreServer, UnknownRequest, connect
+from oasiskv.kvstore import BlockOutOfRange, KVStoreServer, UnknownRequest, connect
 from oasiskv.kvstore.nixl_transport import nixl_available
 
 from .helpers import LAYOUT
@@ -121,6 +121,22 @@ def test_freed_memory_comes_back_once_the_nixl_client_holding_its_table_lets_go(
         assert owner.stats().used_bytes == 0
         with pytest.raises(UnknownRequest):
             read_unit(reader, request)
+
+
+def test_a_freed_request_of_no_blocks_is_let_go_once_the_nixl_client_drops_its_table(server):
+    """A 0-token request stayed held for good (held_requests 1 forever): the release skipped
+    requests without blocks, and past the hold time hold_expired was counted, and a warning
+    logged, at every TTL tick."""
+    with clients(server, "tcp", "nixl") as (owner, reader):
+        request = rid()
+        owner.allocate(request, LAYOUT, 0)
+        with pytest.raises(BlockOutOfRange):  # the reader cached the (empty) table first
+            read_unit(reader, request)
+        owner.free(request)
+        assert held(owner) == 1
+        assert wait_until(lambda: held(owner) == 0, 5.0), "the freed request of no blocks stayed held"
+        assert owner.stats().used_bytes == 0
+        assert 'event="hold_expired"} 1.0' not in owner.metrics_text()
 
 
 def test_a_nixl_client_that_frees_its_own_request_gives_the_memory_back_at_once(server):
