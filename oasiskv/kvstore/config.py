@@ -51,7 +51,7 @@ class KVStoreConfig(BaseModel):
 
     # A request frame must arrive whole within this time of its first byte, and a reply must be
     # sent whole within it, or the connection is dropped (a peer that trickles bytes must not keep
-    # the request it pinned).
+    # the request it pinned); a new connection must send its first frame within it too.
     frame_timeout_s: float = Field(default=30.0, gt=0)
     max_connections: int = Field(default=256, gt=0)
 

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .config import KVStoreConfig
-from .errors import InvalidArgument, KVStoreError, ProtocolError, RemoteError, UnknownRequest
+from .errors import InvalidArgument, KVStoreError, ProtocolError, RemoteError, StoreUnavailable, UnknownRequest
 from .hostmem import byte_view, merge_runs
 from .layout import KVLayout
 from .protocol import VERSION, ConnectionClosed, FrameTimeout, Payload, recv_frame_header, send_error, send_frame
@@ -57,6 +57,7 @@ class KVStoreServer:
         self._stopped = threading.Event()
         self._connections: set[_Connection] = set()
         self._conn_lock = threading.Lock()
+        self._refusals = threading.BoundedSemaphore(16)  # refused connections being told why
         self._threads: list[threading.Thread] = []
         self._metrics_http = None
         self._handlers: dict[str, Callable[[_Connection, dict[str, Any], Payload], Reply | None]] = {
@@ -185,13 +186,39 @@ class KVStoreServer:
                 break
             with self._conn_lock:
                 if len(self._connections) >= self.config.max_connections:
-                    sock.close()
                     self.metrics.errors.labels("TooManyConnections").inc()
+                    self._refuse(sock)
                     continue
                 conn = _Connection(sock, f"{addr[0]}:{addr[1]}")
                 self._connections.add(conn)
                 self.metrics.connections.set(len(self._connections))
             self._spawn(self._serve_connection, f"kvstore-conn-{conn.peer}", conn)
+
+    def _refuse(self, sock: socket.socket) -> None:
+        # Said, not just closed: a bare close read as "Connection reset by peer" on the client.
+        if not self._refusals.acquire(blocking=False):  # a flood: no thread each
+            sock.close()
+            return
+        self._spawn(self._send_refusal, "kvstore-conn-refused", sock)
+
+    def _send_refusal(self, sock: socket.socket) -> None:
+        error = StoreUnavailable(
+            f"store has max_connections={self.config.max_connections} connections open and takes no more; "
+            "close idle clients or start the store with a higher max_connections",
+            max_connections=self.config.max_connections)
+        try:
+            sock.settimeout(1.0)
+            send_error(sock, error, timeout=1.0)
+            sock.shutdown(socket.SHUT_WR)
+            # Until the client hangs up: closing with its hello unread resets the connection, and
+            # the reset made the client lose the error frame before it read it.
+            while sock.recv(4096):
+                pass
+        except OSError:
+            pass
+        finally:
+            sock.close()
+            self._refusals.release()
 
     def _expire_loop(self) -> None:
         # At least 10 ms: a tiny TTL (1e-6 s) made this loop spin, 30% of a core on an idle store.
@@ -204,13 +231,22 @@ class KVStoreServer:
     def _serve_connection(self, conn: _Connection) -> None:
         sock = conn.sock
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        first = True
         try:
             while not self._stopping.is_set():
-                sock.settimeout(None)  # idle between frames: wait as long as the client likes
+                # Idle between frames: wait as long as the client likes, but not before its first
+                # frame (a connection that never sent one held a slot of max_connections for good).
+                sock.settimeout(self.config.frame_timeout_s if first else None)
                 try:
                     header, payload = recv_frame_header(sock, self.config.frame_timeout_s, whole_frame=True)
                 except ConnectionClosed:
                     return
+                except FrameTimeout:
+                    raise
+                except TimeoutError:
+                    raise FrameTimeout(f"no frame within the frame timeout of {self.config.frame_timeout_s:g} s "
+                                       "of connecting") from None
+                first = False
                 if not self._serve_frame(conn, header, payload):
                     return
         except ProtocolError as exc:

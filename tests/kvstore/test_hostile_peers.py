@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from oasiskv.kvstore import KVStoreServer, connect
+from oasiskv.kvstore import KVStoreServer, StoreUnavailable, connect
 from oasiskv.kvstore.protocol import MAGIC, PREFIX, recv_frame_header
 
 from .helpers import LAYOUT, store_process
@@ -49,6 +49,10 @@ def test_a_frame_that_only_claims_a_big_payload_costs_the_store_no_memory():
 
 def errors(server: KVStoreServer, kind: str) -> float:
     return server.metrics.registry.get_sample_value("oasiskv_kvstore_errors_total", {"type": kind}) or 0.0
+
+
+def open_connections(server: KVStoreServer) -> float:
+    return server.metrics.registry.get_sample_value("oasiskv_kvstore_connections")
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05) -> float | None:
@@ -135,3 +139,25 @@ def test_a_reader_that_drains_its_reply_slowly_is_dropped_at_the_frame_timeout()
         assert took < 3.5
         assert errors(srv, "FrameTimeout") == 1
         sock.close()
+
+
+def test_connections_over_the_limit_are_told_why_and_silent_ones_give_their_slot_back():
+    """Over max_connections the store closed the socket without a word (the client saw
+    'Connection reset by peer'), and a connection that never sent a frame kept its slot for good,
+    so 256 silent sockets locked every client out."""
+    with KVStoreServer(capacity_bytes=4 << 20, prefault=False, frame_timeout_s=1.0, transport="tcp",
+                       max_connections=2) as srv:
+        silent = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(2)]
+        assert wait_until(lambda: open_connections(srv) == 2, 2)
+        for _ in range(5):  # every refused client learns the reason, not a reset
+            with pytest.raises(StoreUnavailable, match="max_connections=2"):
+                connect(srv.address, transport="tcp", timeout=5)
+        assert errors(srv, "TooManyConnections") == 5
+        took = wait_until(lambda: open_connections(srv) == 0, 5)
+        assert took is not None and took < 2, "connections that never sent a frame kept their slots"
+        with connect(srv.address, transport="tcp", timeout=5) as c:
+            assert c.stats().num_requests == 0
+        for sock in silent:
+            reply, _ = recv_frame_header(sock, 5)
+            assert "no frame within the frame timeout of 1 s of connecting" in reply["error"]["message"]
+            sock.close()
