@@ -459,5 +459,6 @@ def _count(header: dict[str, Any]) -> int:
 
 
 def _counted(exc: KVStoreError) -> bool:
-    # The store already counts the errors it raises itself.
-    return type(exc).__name__ in ("UnknownRequest", "BlockOutOfRange", "StoreFull")
+    # Marked by the store when it counted the error itself (the type alone does not say: the
+    # server raises an UnknownRequest of its own for a stale commit).
+    return bool(exc.__dict__.get("counted"))

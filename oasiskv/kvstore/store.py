@@ -28,7 +28,7 @@ import torch
 
 from .allocator import ExtentAllocator
 from .config import GIB, MAX_CAPACITY_GB, KVStoreConfig
-from .errors import BlockOutOfRange, InvalidArgument, RequestExists, StoreFull, UnknownRequest
+from .errors import BlockOutOfRange, InvalidArgument, KVStoreError, RequestExists, StoreFull, UnknownRequest
 from .hostmem import HostBuffer, alloc_host_buffer, copy_units, merge_runs
 from .layout import CHUNK_ALIGN, KVLayout, broadcast_units
 from .metrics import StoreMetrics
@@ -169,8 +169,8 @@ class KVStore:
                 table = self.allocator.allocate(layout.num_blocks(num_tokens), layout.chunk_bytes)
             except StoreFull as exc:
                 self.metrics.requests.labels("refused").inc()
-                self.metrics.errors.labels("StoreFull").inc()
-                raise StoreFull(f"request {request_id!r}: {exc.message}", request_id=request_id, **exc.fields) from None
+                raise self.counted(StoreFull(f"request {request_id!r}: {exc.message}", request_id=request_id,
+                                             **exc.fields)) from None
             # Cleared before anyone can see the request, so no write's summary gets wiped.
             self._clear_summaries(layout, table)
             request = _Request(request_id, layout, int(num_tokens), table, self.clock(), next(self._serials))
@@ -193,8 +193,8 @@ class KVStore:
                 try:
                     new_chunks = self.allocator.allocate(missing, layout.chunk_bytes)
                 except StoreFull as exc:
-                    self.metrics.errors.labels("StoreFull").inc()
-                    raise StoreFull(f"request {request_id!r}: {exc.message}", request_id=request_id, **exc.fields) from None
+                    raise self.counted(StoreFull(f"request {request_id!r}: {exc.message}", request_id=request_id,
+                                                 **exc.fields)) from None
                 self._clear_summaries(layout, new_chunks)
                 # A new array, not an in-place resize: pinned readers keep the old table.
                 request.table = np.concatenate((request.table, new_chunks))
@@ -302,8 +302,8 @@ class KVStore:
         layers, heads, blocks = broadcast_units(layers, heads, blocks)
         try:
             request.layout.check_units(layers, heads, blocks, request.table.size)
-        except BlockOutOfRange:
-            self.metrics.errors.labels("BlockOutOfRange").inc()
+        except BlockOutOfRange as exc:
+            self.counted(exc)
             raise
         return layers, heads, blocks, request.layout.unit_offsets(request.table, layers, heads, blocks)
 
@@ -368,11 +368,10 @@ class KVStore:
             total = request.table.size
             count = total - first_block if num_blocks is None else num_blocks
             if first_block < 0 or count < 0 or first_block + count > total:
-                self.metrics.errors.labels("BlockOutOfRange").inc()
-                raise BlockOutOfRange(
+                raise self.counted(BlockOutOfRange(
                     f"summary blocks [{first_block}, {first_block + count}) out of range [0, {total})",
                     index_kind="block", index=first_block + count - 1, bound=total,
-                )
+                ))
             out = torch.empty((count, layout.num_layers, layout.num_kv_heads, 2, layout.head_dim), dtype=torch.float32)
             size = layout.summary_bytes_per_block
             src = request.table[first_block:first_block + count] + layout.kv_bytes_per_block
@@ -392,13 +391,19 @@ class KVStore:
         starts, _, lengths = merge_runs(offsets, np.arange(offsets.size, dtype=np.int64) * unit, unit)
         return starts + self.base, lengths
 
+    def counted(self, error: KVStoreError) -> KVStoreError:
+        """Count an error this store refuses with, and mark it so the server does not count it again."""
+        self.metrics.errors.labels(type(error).__name__).inc()
+        error.counted = True
+        return error
+
     # --- internals -----------------------------------------------------------------------
 
     def _get(self, request_id: str) -> _Request:
         request = self._requests.get(request_id)
         if request is None:
-            self.metrics.errors.labels("UnknownRequest").inc()
-            raise UnknownRequest(f"unknown request {request_id!r} (never allocated, freed, or expired)", request_id=request_id)
+            raise self.counted(UnknownRequest(f"unknown request {request_id!r} (never allocated, freed, or expired)",
+                                              request_id=request_id))
         return request
 
     def _retire(self, request: _Request) -> None:

@@ -161,3 +161,27 @@ def test_connections_over_the_limit_are_told_why_and_silent_ones_give_their_slot
             reply, _ = recv_frame_header(sock, 5)
             assert "no frame within the frame timeout of 1 s of connecting" in reply["error"]["message"]
             sock.close()
+
+
+def test_every_refusal_is_counted_once(quick_server):
+    """A commit refused for a stale serial was not counted in oasiskv_kvstore_errors_total: the
+    server took every UnknownRequest for one the store had counted."""
+    with connect(quick_server.address, transport="tcp", timeout=5) as c:
+        c.allocate("counted", LAYOUT, 16)
+        sock = socket.create_connection(("127.0.0.1", quick_server.port), timeout=5)
+        idx = np.zeros(3, "<i4").tobytes()
+        unknown, out_of_range = errors(quick_server, "UnknownRequest"), errors(quick_server, "BlockOutOfRange")
+        frames = [({"op": "commit", "rid": "counted", "n": 1, "serial": 1}, idx),  # a stale serial
+                  ({"op": "commit", "rid": "counted", "n": 1, "serial": 2}, idx),
+                  ({"op": "describe", "rid": "never-allocated"}, b""),
+                  ({"op": "read", "rid": "counted", "n": 1}, np.array([0, 0, 5], "<i4").tobytes())]
+        for seq, (header, payload) in enumerate(frames):
+            head = json.dumps({**header, "seq": seq}).encode()
+            sock.sendall(PREFIX.pack(MAGIC, len(head), len(payload)) + head + payload)
+            reply, rest = recv_frame_header(sock, 5)
+            rest.drain()
+            assert reply["ok"] is False
+        assert errors(quick_server, "UnknownRequest") == unknown + 3
+        assert errors(quick_server, "BlockOutOfRange") == out_of_range + 1
+        sock.close()
+        c.free("counted")
