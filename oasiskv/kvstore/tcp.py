@@ -158,8 +158,10 @@ class TcpTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        self._executor.submit(self._drop)
+        # The worker is gone after this, so the socket is ours to close here. A _drop queued
+        # behind pending transfers was cancelled with them, leaving the socket open until GC.
         self._executor.shutdown(wait=True, cancel_futures=True)
+        self._drop()
 
     # --- plumbing ------------------------------------------------------------------------
 

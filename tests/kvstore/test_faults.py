@@ -229,6 +229,19 @@ def errors(server: KVStoreServer, kind: str) -> float:
     return server.metrics.registry.get_sample_value("oasiskv_kvstore_errors_total", {"type": kind}) or 0.0
 
 
+def open_connections(server: KVStoreServer) -> float:
+    return server.metrics.registry.get_sample_value("oasiskv_kvstore_connections")
+
+
+def wait_until(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def test_truncated_frames_do_not_hurt_the_store(strict_server):
     before = errors(strict_server, "ProtocolError")
     # Header cut short, then the client vanishes.
@@ -441,6 +454,7 @@ def test_id_reused_for_another_geometry_is_refused_not_overrun(server, client):
 
 def test_transfers_a_closed_tcp_client_never_ran_fail_with_a_store_error(server):
     """They raised concurrent.futures.CancelledError, which callers catching KVStoreError missed."""
+    before = open_connections(server)
     client = connect(server, transport="tcp", timeout=10)
     request = rid()
     client.allocate(request, LAYOUT, 32)
@@ -456,6 +470,10 @@ def test_transfers_a_closed_tcp_client_never_ran_fail_with_a_store_error(server)
             assert "closed before this transfer" in str(exc)
             outcomes.append("unavailable")
     assert "unavailable" in outcomes  # some were still queued at close
+    # Its connection is closed too: the _drop queued behind those transfers was cancelled with
+    # them, and the socket stayed open (the store kept the connection) until GC.
+    assert client.transport._sock is None
+    assert wait_until(lambda: open_connections(server) <= before)
     with connect(server, transport="tcp") as other:
         other.free(request)
 
