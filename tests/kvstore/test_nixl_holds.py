@@ -16,7 +16,7 @@ import uuid
 import pytest
 import torch
 
-from oasiskv.kvstore import BlockOutOfRange, KVStoreServer, UnknownRequest, connect
+from oasiskv.kvstore import BlockOutOfRange, KVStoreServer, StoreFull, UnknownRequest, connect
 from oasiskv.kvstore.nixl_transport import nixl_available
 
 from .helpers import LAYOUT
@@ -137,6 +137,21 @@ def test_a_freed_request_of_no_blocks_is_let_go_once_the_nixl_client_drops_its_t
         assert wait_until(lambda: held(owner) == 0, 5.0), "the freed request of no blocks stayed held"
         assert owner.stats().used_bytes == 0
         assert 'event="hold_expired"} 1.0' not in owner.metrics_text()
+
+
+def test_a_full_store_says_how_much_memory_freed_requests_still_hold(server):
+    """The refusal read 'need 98304 bytes, 0 of 4292608 free' while live requests used under
+    500 KB: the rest was held for NIXL clients, and the message did not say so."""
+    with clients(server, "tcp", "nixl") as (owner, reader):
+        request = rid()
+        owner.allocate(request, LAYOUT, 400 * LAYOUT.block_size)
+        read_unit(reader, request)
+        stop_reporting(reader)  # it never drops the table
+        owner.free(request)
+        with pytest.raises(StoreFull) as info:
+            owner.allocate(rid(), LAYOUT, 200 * LAYOUT.block_size)
+        assert info.value.held_bytes == 400 * LAYOUT.chunk_bytes
+        assert f"{400 * LAYOUT.chunk_bytes} bytes are held by 1 freed requests" in str(info.value)
 
 
 def test_a_nixl_client_that_frees_its_own_request_gives_the_memory_back_at_once(server):
