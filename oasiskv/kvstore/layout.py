@@ -180,7 +180,7 @@ class KVLayout:
                 int(data["num_layers"]), int(data["num_kv_heads"]), int(data["head_dim"]),
                 int(data["block_size"]), dtype, str(data.get("summary_kind", "minmax")),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise InvalidArgument(f"bad layout {data!r}: {exc}") from None
 
 

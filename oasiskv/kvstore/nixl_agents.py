@@ -110,7 +110,7 @@ class NixlTarget:
                 name = self.agent.add_remote_agent(metadata)  # loading a known agent again is fine
             except nixl_errors() as exc:
                 if "NOT_ALLOWED" not in str(exc):
-                    raise
+                    raise InvalidArgument(f"the NIXL agent metadata in this hello cannot be loaded: {exc}") from None
                 # Another agent already has this name: the holds and free notices of the two
                 # clients could not be told apart.
                 raise InvalidArgument(

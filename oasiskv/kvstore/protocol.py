@@ -224,6 +224,8 @@ def recv_frame_header(sock: socket.socket, frame_timeout: float | None,
             header = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ProtocolError(f"frame header is not JSON: {exc}") from None
+        except RecursionError:  # it escaped as no error frame at all, and ended the connection's thread
+            raise ProtocolError("frame header is JSON nested too deeply") from None
         if not isinstance(header, dict):
             raise ProtocolError("frame header must be a JSON object")
     except BaseException:

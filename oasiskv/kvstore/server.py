@@ -286,7 +286,7 @@ class KVStoreServer:
                 self.metrics.errors.labels(type(exc).__name__).inc()
             payload.drain()
             send_error(conn.sock, exc, seq, self.config.frame_timeout_s)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             self.metrics.errors.labels("InvalidArgument").inc()
             payload.drain()
             send_error(conn.sock, InvalidArgument(f"malformed {header.get('op')!r} request: {exc!r}"), seq,
@@ -322,7 +322,7 @@ class KVStoreServer:
     # --- handlers ------------------------------------------------------------------------
 
     def _hello(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
-        if int(header.get("version", -1)) != VERSION:
+        if header.get("version") != VERSION:
             raise InvalidArgument(f"protocol version {header.get('version')} not supported (store speaks {VERSION})")
         reply: dict[str, Any] = {
             "store_id": self.store_id,
@@ -344,7 +344,7 @@ class KVStoreServer:
                 # A client forgets every block table before it says hello (again), but for those of
                 # requests it still has transfers running on: it releases them when they end.
                 self.store.release_holds(conn.nixl_peer, everything=True,
-                                         keep=[str(r) for r in header.get("keep") or ()])
+                                         keep=_strs(header, "keep"))
             reply["nixl"] = {
                 "agent": self.nixl.name,
                 "arena_base": self.store.base,
@@ -354,24 +354,27 @@ class KVStoreServer:
         return reply, payloads
 
     def _allocate(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
-        info = self.store.allocate(str(header["rid"]), KVLayout.from_wire(header["layout"]), int(header["num_tokens"]))
+        layout = header.get("layout")
+        if not isinstance(layout, dict):
+            raise InvalidArgument(f"'layout' must be an object, got {layout!r}", field="layout")
+        info = self.store.allocate(_str(header, "rid"), KVLayout.from_wire(layout), _int(header, "num_tokens"))
         return {"info": info.to_wire()}, []
 
     def _extend(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
-        info = self.store.extend(str(header["rid"]), int(header["num_tokens"]))
+        info = self.store.extend(_str(header, "rid"), _int(header, "num_tokens"))
         return {"info": info.to_wire()}, []
 
     def _describe(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
-        info, table = self.store.describe(str(header["rid"]), conn.nixl_peer if header.get("hold") else None)
+        info, table = self.store.describe(_str(header, "rid"), conn.nixl_peer if header.get("hold") else None)
         return {"info": info.to_wire()}, [table.astype("<i8").tobytes()]
 
     def _free(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
         # "forgotten": a NIXL client that frees a request it no longer touches needs no notice.
-        self.store.free(str(header["rid"]), conn.nixl_peer if header.get("forgotten") else None)
+        self.store.free(_str(header, "rid"), conn.nixl_peer if header.get("forgotten") else None)
         return {}, []
 
     def _touch(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
-        return {"unknown": self.store.touch([str(r) for r in header["rids"]])}, []
+        return {"unknown": self.store.touch(_strs(header, "rids", required=True))}, []
 
     def _stats(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
         stats = self.store.stats()
@@ -380,8 +383,8 @@ class KVStoreServer:
     def _read(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> None:
         n = _count(header)
         layers, heads, blocks = payload.read_indices(n)
-        with self.store.pinned(str(header["rid"])) as request:
-            check_unit_bytes(request, header.get("unit_bytes"))
+        with self.store.pinned(_str(header, "rid")) as request:
+            check_unit_bytes(request, _int(header, "unit_bytes", None))
             _, _, _, offsets = self.store.unit_offsets(request, layers, heads, blocks)
             unit = request.layout.unit_bytes
             addresses, lengths = self.store.arena_runs(offsets, unit)
@@ -396,8 +399,8 @@ class KVStoreServer:
     def _write(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
         n = _count(header)
         layers, heads, blocks = payload.read_indices(n)
-        with self.store.pinned(str(header["rid"])) as request:
-            check_unit_bytes(request, header.get("unit_bytes"))
+        with self.store.pinned(_str(header, "rid")) as request:
+            check_unit_bytes(request, _int(header, "unit_bytes", None))
             layers, heads, blocks, offsets = self.store.unit_offsets(request, layers, heads, blocks)
             unit = request.layout.unit_bytes
             if payload.remaining != n * unit:
@@ -414,8 +417,9 @@ class KVStoreServer:
         """After a client's NIXL WRITE landed: summarize the units and count them."""
         n = _count(header)
         layers, heads, blocks = payload.read_indices(n)
-        with self.store.pinned(str(header["rid"])) as request:
-            if header.get("serial") not in (None, request.serial):
+        serial = _int(header, "serial", None)
+        with self.store.pinned(_str(header, "rid")) as request:
+            if serial not in (None, request.serial):
                 raise UnknownRequest(
                     f"request {request.request_id!r} was freed and allocated again: this write went to the freed "
                     "allocation (the writer's block table predates the new one)", request_id=request.request_id)
@@ -429,20 +433,25 @@ class KVStoreServer:
         """A NIXL client's tally of one-sided reads (counted; the requests' TTL refreshed) and the
         block tables it dropped: those of freed allocations (serials) and of requests it is done with."""
         reads = header.get("reads") or {}
+        if not isinstance(reads, dict) or not all(
+                isinstance(v, list) and len(v) == 2 and all(_is_int(x) and x >= 0 for x in v) for v in reads.values()):
+            raise InvalidArgument(f"'reads' must map request ids to [units, bytes], got {reads!r}"[:300], field="reads")
+        released = header.get("released") or []
+        if not isinstance(released, list) or not all(_is_int(x) for x in released):
+            raise InvalidArgument(f"'released' must be a list of serials, got {released!r}"[:300], field="released")
         for units, nbytes in reads.values():
-            self.store.record_read(int(units), int(nbytes), "nixl")
-        self.store.touch([str(r) for r in reads])
+            self.store.record_read(units, nbytes, "nixl")
+        self.store.touch(list(reads))
         if conn.nixl_peer is not None:
-            self.store.release_holds(conn.nixl_peer, [int(s) for s in header.get("released") or ()],
-                                     [str(r) for r in header.get("done") or ()], bool(header.get("closing")))
+            self.store.release_holds(conn.nixl_peer, released, _strs(header, "done"), bool(header.get("closing")))
         return {}, []
 
     def _summaries(self, conn: _Connection, header: dict[str, Any], payload: Payload) -> Reply:
-        num_blocks = header.get("num_blocks")
+        dtype = header.get("dtype", "float32")
+        if not isinstance(dtype, str):
+            raise InvalidArgument(f"'dtype' must be a string, got {dtype!r}", field="dtype")
         summaries = self.store.read_summaries(
-            str(header["rid"]), int(header.get("first_block", 0)), None if num_blocks is None else int(num_blocks),
-            str(header.get("dtype", "float32")),
-        )
+            _str(header, "rid"), _int(header, "first_block", 0), _int(header, "num_blocks", None), dtype)
         if isinstance(summaries, QuantizedSummaries):  # the codes, then their offsets and steps
             return {"shape": list(summaries.shape), "quantized": True}, [
                 summaries.codes.reshape(-1).numpy(), summaries.offset.reshape(-1).numpy(),
@@ -452,10 +461,50 @@ class KVStoreServer:
 
 
 def _count(header: dict[str, Any]) -> int:
-    n = int(header["n"])
+    n = _int(header, "n")
     if n < 0 or n > (1 << 31) - 1:
         raise InvalidArgument(f"bad unit count {n}")
     return n
+
+
+# Header fields are checked by type here, not coerced: int() took 1.9 as 1, true as 1 and
+# Infinity as an OverflowError (an internal error with a traceback); str() took {"x": 1} as an
+# id; and a string of rids was touched letter by letter.
+_REQUIRED: Any = object()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _present(header: dict[str, Any], name: str, default: Any) -> Any:
+    value = header.get(name, default)
+    if value is _REQUIRED:
+        raise InvalidArgument(f"{header.get('op')!r} request has no {name!r}", field=name)
+    return value
+
+
+def _int(header: dict[str, Any], name: str, default: Any = _REQUIRED) -> Any:
+    value = _present(header, name, default)
+    if value is not default and not _is_int(value):
+        raise InvalidArgument(f"{name!r} must be an integer, got {value!r}"[:300], field=name)
+    return value
+
+
+def _str(header: dict[str, Any], name: str) -> str:
+    value = _present(header, name, _REQUIRED)
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name!r} must be a string, got {value!r}"[:300], field=name)
+    return value
+
+
+def _strs(header: dict[str, Any], name: str, required: bool = False) -> list[str]:
+    value = _present(header, name, _REQUIRED if required else None)
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise InvalidArgument(f"{name!r} must be a list of strings, got {value!r}"[:300], field=name)
+    return value
 
 
 def _counted(exc: KVStoreError) -> bool:

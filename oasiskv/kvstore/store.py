@@ -162,6 +162,9 @@ class KVStore:
             )
         if num_tokens < 0:
             raise InvalidArgument(f"num_tokens must be >= 0, got {num_tokens}")
+        if layout.chunk_bytes > self.capacity_bytes:  # even a 0-token request overflowed on it
+            raise InvalidArgument(f"layout blocks of {layout.chunk_bytes} bytes cannot fit the store's "
+                                  f"{self.capacity_bytes} bytes", chunk_bytes=layout.chunk_bytes)
         with self._lock:
             if request_id in self._requests:
                 raise RequestExists(f"request {request_id!r} is already allocated", request_id=request_id)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from oasiskv.kvstore import KVStoreServer, StoreUnavailable, connect
-from oasiskv.kvstore.protocol import MAGIC, PREFIX, recv_frame_header
+from oasiskv.kvstore.nixl_transport import nixl_available
+from oasiskv.kvstore.protocol import MAGIC, PREFIX, recv_frame_header, send_frame
 
 from .helpers import LAYOUT, store_process
 
@@ -185,3 +186,70 @@ def test_every_refusal_is_counted_once(quick_server):
         assert errors(quick_server, "BlockOutOfRange") == out_of_range + 1
         sock.close()
         c.free("counted")
+
+
+WIRE_LAYOUT = json.dumps(LAYOUT.to_wire())
+
+
+@pytest.mark.parametrize("raw_header, field", [
+    ('{"op":"allocate","rid":"a","layout":%s,"num_tokens":Infinity}' % WIRE_LAYOUT, "num_tokens"),
+    ('{"op":"allocate","rid":"a","layout":%s,"num_tokens":1.9}' % WIRE_LAYOUT, "num_tokens"),
+    ('{"op":"allocate","rid":"a","layout":%s,"num_tokens":true}' % WIRE_LAYOUT, "num_tokens"),
+    ('{"op":"allocate","rid":{"x":1},"layout":%s,"num_tokens":16}' % WIRE_LAYOUT, "rid"),
+    ('{"op":"allocate","rid":"a","layout":[1,2],"num_tokens":16}', "layout"),
+    ('{"op":"allocate","rid":"a","layout":%s,"num_tokens":0}'
+     % WIRE_LAYOUT.replace('"num_layers": 3', '"num_layers": 1e30'), "layout"),
+    ('{"op":"allocate","rid":"a","layout":%s,"num_tokens":0}'
+     % WIRE_LAYOUT.replace('"num_layers": 3', '"num_layers": %d' % 10 ** 30), "layout"),
+    ('{"op":"summaries","rid":"live","first_block":1e400}', "first_block"),
+    ('{"op":"touch","rids":"abc"}', "rids"),
+    ('{"op":"touch","rids":5}', "rids"),
+    ('{"op":"report","reads":[1]}', "reads"),
+    ('{"op":"report","reads":{"live":[-5,-10]}}', "reads"),
+    ('{"op":"extend","rid":"live","num_tokens":"32"}', "num_tokens"),
+    ('{"op":"describe"}', "rid"),
+])
+def test_a_field_of_the_wrong_type_is_refused_by_name(server, raw_header, field):
+    """Such input came back as RemoteError (the store's internal-bug type, with a logged
+    traceback: OverflowError, AttributeError) or was taken after a coercion: 1.9 and true tokens
+    as 1, {"x": 1} as the id "{'x': 1}", the rids "abc" as a, b and c."""
+    with connect(server, transport="tcp", timeout=5) as c:
+        if c.touch(["live"]):
+            c.allocate("live", LAYOUT, 32)
+        bugs = errors(server, "RemoteError")
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        head = raw_header.encode()
+        sock.sendall(PREFIX.pack(MAGIC, len(head), 0) + head)
+        reply, _ = recv_frame_header(sock, 5)
+        sock.close()
+        assert reply["ok"] is False
+        assert reply["error"]["type"] == "InvalidArgument", reply["error"]
+        assert field in reply["error"]["message"]
+        assert errors(server, "RemoteError") == bugs
+        assert c.stats().num_requests == 1  # nothing was allocated
+
+
+def test_a_header_nested_too_deeply_gets_an_error_frame(server):
+    """RecursionError escaped the frame parser: no error frame, and the connection's thread died."""
+    head = b"[" * 100_000 + b"]" * 100_000
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(PREFIX.pack(MAGIC, len(head), 0) + head)
+    reply, _ = recv_frame_header(sock, 5)
+    sock.close()
+    assert reply["error"]["type"] == "ProtocolError" and "nested too deeply" in reply["error"]["message"]
+
+
+@pytest.mark.skipif(not nixl_available(), reason="nixl not importable")
+def test_garbage_nixl_metadata_in_a_hello_is_refused_as_such(server):
+    """It came back as RemoteError 'nixlMismatchError: ...' with a traceback in the store's log."""
+    bugs = errors(server, "RemoteError")
+    for metadata in (b"garbage-metadata", b"\0" * 4096):
+        sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        send_frame(sock, {"op": "hello", "version": 2, "nixl": True, "seq": 1}, [metadata])
+        reply, _ = recv_frame_header(sock, 5)
+        sock.close()
+        assert reply["error"]["type"] == "InvalidArgument"
+        assert "NIXL agent metadata in this hello cannot be loaded" in reply["error"]["message"]
+    assert errors(server, "RemoteError") == bugs
+    with connect(server, transport="nixl", timeout=5) as c:  # real NIXL clients are unharmed
+        c.touch([])
