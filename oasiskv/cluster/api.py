@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import __version__
 from ..models.sampling import SamplingParams, TokenLogprob, require_known_bias_tokens, require_known_stop_tokens
 from ..prefill_node.vllm_worker import vllm_prefill_refusal
 from .logprobs import LogprobFormatter
@@ -95,7 +96,9 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
         if first.get("type") == "json_invalid":
             return _error(ApiError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}",
                                    "invalid_request_error"))
-        return _error(ApiError(422, f"invalid request: {first.get('msg', 'validation failed')} ({param})",
+        # 400, as vLLM and OpenAI answer a field that fails validation (the openai client's
+        # BadRequestError); it was FastAPI's 422 (UnprocessableEntityError).
+        return _error(ApiError(400, f"invalid request: {first.get('msg', 'validation failed')} ({param})",
                                "invalid_request_error", param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -122,14 +125,18 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
     async def metrics():
         return PlainTextResponse(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [_model_card(config.model_name)]}
+        return {"object": "list", "data": [_model_card(config.model_name, config.model, service.max_model_len)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         _check_model(config.model_name, model_id)
-        return _model_card(model_id)
+        return _model_card(model_id, config.model, service.max_model_len)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -160,8 +167,10 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
     return app
 
 
-def _model_card(name: str) -> dict:
-    return {"id": name, "object": "model", "created": now(), "owned_by": "oasiskv"}
+def _model_card(name: str, root: str, max_model_len: int) -> dict:
+    # vLLM's fields beside OpenAI's: clients size prompts from max_model_len.
+    return {"id": name, "object": "model", "created": now(), "owned_by": "oasiskv", "root": root, "parent": None,
+            "max_model_len": max_model_len, "permission": []}
 
 
 def _check_model(served: str, asked: str) -> None:
@@ -187,21 +196,28 @@ def _error(exc: ApiError) -> JSONResponse:
 
 def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    if max_tokens is None:
-        # A default below min_tokens would refuse a request that never named a max_tokens.
-        room = max_model_len - prompt_tokens
-        if body.min_tokens > room > 0:  # room <= 0: the prompt alone is too long, refused below
-            raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds the {room} tokens left in the model's "
-                                f"context of {max_model_len} after the prompt ({prompt_tokens} tokens)",
-                           "invalid_request_error", "min_tokens")
-        default = max(DEFAULT_MAX_TOKENS if isinstance(body, CompletionRequest) else 512, body.min_tokens)
-        max_tokens = max(1, min(default, room))
     if prompt_tokens == 0:
         raise ApiError(400, "the prompt is empty", "invalid_request_error", "prompt")
-    if prompt_tokens + max_tokens > max_model_len:
+    room = max_model_len - prompt_tokens
+    if room < 1:
         # 400, as vLLM answers it (the openai client's BadRequestError); it was 413.
-        raise ApiError(400, f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                            f"context of {max_model_len} tokens", "invalid_request_error", "prompt")
+        raise ApiError(400, f"the prompt ({prompt_tokens} tokens) leaves no room in the model's context of "
+                            f"{max_model_len} tokens", "invalid_request_error", "prompt")
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise ApiError(400, f"max_tokens ({max_tokens}) exceeds the model's context of {max_model_len} tokens",
+                       "invalid_request_error", "max_tokens")
+    if body.min_tokens > room:
+        raise ApiError(400, f"min_tokens ({body.min_tokens}) exceeds the {room} tokens left in the model's "
+                            f"context of {max_model_len} after the prompt ({prompt_tokens} tokens)",
+                       "invalid_request_error", "min_tokens")
+    if max_tokens is None:
+        # A default below min_tokens would refuse a request that never named a max_tokens. Chat's
+        # is 512, not vLLM's whole rest of the context: a decode worker reserves pool rows (and a
+        # store its memory) for max_tokens when it admits a request.
+        max_tokens = max(DEFAULT_MAX_TOKENS if isinstance(body, CompletionRequest) else 512, body.min_tokens)
+    # As vLLM: a max_tokens past the context's end is cut to the room left (the output then ends
+    # with "length" there); it was refused.
+    max_tokens = min(max_tokens, room)
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=max(0, body.top_k), stop=body.stop_list, seed=body.seed,
@@ -226,14 +242,14 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     try:
         require_known_stop_tokens(params, service.tokenizer.vocab_size)
     except ValueError as exc:
-        raise ApiError(422, str(exc), "invalid_request_error", "stop_token_ids") from exc
+        raise ApiError(400, str(exc), "invalid_request_error", "stop_token_ids") from exc
     try:
         require_known_bias_tokens(params, service.tokenizer.vocab_size)
     except ValueError as exc:
         raise ApiError(400, str(exc), "invalid_request_error", "logit_bias") from exc
     block = service.config.decode.block_size
     if body.oasiskv_budget_tokens is not None and body.oasiskv_budget_tokens % block:
-        raise ApiError(422, f"oasiskv_budget_tokens must be a multiple of the block size ({block}), got "
+        raise ApiError(400, f"oasiskv_budget_tokens must be a multiple of the block size ({block}), got "
                             f"{body.oasiskv_budget_tokens}", "invalid_request_error", "oasiskv_budget_tokens")
     request_id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
     events = service.generate(request_id, ids, params, body.oasiskv_mode, body.oasiskv_budget_tokens)
@@ -263,7 +279,7 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
         return StreamingResponse(_sse(request, request_id, kind, body, ids, first, events, formatter),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        text, reason, completion_tokens, logprobs = await _unless_disconnected(request, _collect(first, events))
+        text, reason, stop, completion_tokens, logprobs = await _unless_disconnected(request, _collect(first, events))
     except ClientDisconnected:
         return _hung_up()
     except TimeoutError as exc:
@@ -275,10 +291,10 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
              "total_tokens": len(ids) + completion_tokens}
     if kind == "chat.completion":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                  "logprobs": formatter and formatter.chat(logprobs)}
+        choice = {"index": 0, "message": {"role": "assistant", "content": body.echoed() + text}, "finish_reason": reason,
+                  "stop_reason": stop, "logprobs": formatter and formatter.chat(logprobs)}
     else:
-        choice = {"index": 0, "text": text, "finish_reason": reason,
+        choice = {"index": 0, "text": text, "finish_reason": reason, "stop_reason": stop,
                   "logprobs": formatter and formatter.completion(logprobs)}
     return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": [choice], "usage": usage}
 
@@ -301,9 +317,9 @@ def _hung_up() -> Response:
     return Response(status_code=499)
 
 
-async def _collect(first, events) -> tuple[str, str | None, int, list[TokenLogprob]]:
-    """A non-streamed response's text, finish reason, token count and token logprobs."""
-    text, reason, completion_tokens, logprobs = "", None, 0, []
+async def _collect(first, events) -> tuple[str, str | None, str | int | None, int, list[TokenLogprob]]:
+    """A non-streamed response's text, finish reason, stop reason, token count and token logprobs."""
+    text, reason, stop, completion_tokens, logprobs = "", None, None, 0, []
     event = first
     try:
         while event is not None:
@@ -311,10 +327,11 @@ async def _collect(first, events) -> tuple[str, str | None, int, list[TokenLogpr
             logprobs += event.logprobs
             completion_tokens = event.num_tokens
             reason = event.finish_reason or reason
+            stop = event.stop_reason if event.stop_reason is not None else stop
             event = await events.__anext__() if not event.finished else None
     except StopAsyncIteration:
         pass
-    return text, reason, completion_tokens, logprobs
+    return text, reason, stop, completion_tokens, logprobs
 
 
 async def _wait_for_hang_up(request: Request) -> None:
@@ -348,27 +365,33 @@ async def _sse(request: Request, request_id: str, kind: str, body, ids, first, e
     completion_tokens = 0
 
     def chunk(delta_text: str | None, reason: str | None, role: bool = False,
-              logprobs: list[TokenLogprob] | None = None) -> bytes:
+              logprobs: list[TokenLogprob] | None = None, stop: str | int | None = None) -> bytes:
         if chunk_kind == "chat.completion.chunk":
             delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason,
+            choice = {"index": 0, "delta": delta, "finish_reason": reason, "stop_reason": stop,
                       "logprobs": formatter.chat(logprobs) if formatter and logprobs else None}
         else:
-            choice = {"index": 0, "text": delta_text or "", "finish_reason": reason,
+            choice = {"index": 0, "text": delta_text or "", "finish_reason": reason, "stop_reason": stop,
                       "logprobs": formatter.completion(logprobs) if formatter and logprobs else None}
         payload = {"id": request_id, "object": chunk_kind, "created": created, "model": body.model, "choices": [choice]}
-        if body.include_usage:
+        if body.continuous_usage:  # as vLLM: every chunk carries the usage so far
+            payload["usage"] = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
+                                "total_tokens": len(ids) + completion_tokens}
+        elif body.include_usage:
             payload["usage"] = None
         return f"data: {json.dumps(payload)}\n\n".encode()
 
     try:
         if chunk_kind == "chat.completion.chunk":
             yield chunk(None, None, role=True)
+            if body.echoed():
+                yield chunk(body.echoed(), None)
         event = first
         while event is not None:
             completion_tokens = event.num_tokens
             if event.delta or event.logprobs or event.finished:
-                yield chunk(event.delta, event.finish_reason if event.finished else None, logprobs=event.logprobs)
+                yield chunk(event.delta, event.finish_reason if event.finished else None, logprobs=event.logprobs,
+                            stop=event.stop_reason if event.finished else None)
             if event.finished:
                 break
             event = await events.__anext__()

@@ -29,7 +29,7 @@ def _encodable(value):
 
 _UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty",
                             "bad_words", "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
-                            "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+                            "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class _SamplingFields(BaseModel):
@@ -43,25 +43,27 @@ class _SamplingFields(BaseModel):
 
     model: str | None = None  # None: the model served
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, description="extension: 0 or -1 disables")
+    # null is the default for the fields OpenAI marks nullable, as vLLM takes it (`_null_is_default`):
+    # the openai client sends temperature=None as null, which was a 422.
+    temperature: float | None = Field(1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(0, ge=-1, description="extension: 0 or -1 disables")
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stream: bool = False
-    n: int = 1
+    stream: bool | None = False
+    n: int | None = 1
     presence_penalty: float | None = 0.0  # null: the default, as OpenAI and vLLM take it
     frequency_penalty: float | None = 0.0
     logprobs: bool | int | None = None
     user: str | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = Field(None, description="extension (as vLLM's): token ids that end the output")
     stream_options: dict | None = None
     # {token id: bias}; its ids and ranges are checked by SamplingParams and the vocabulary (400s).
     logit_bias: dict | None = None
     # vLLM's extensions, as vLLM does them (ranges checked by SamplingParams, as vLLM's are: 400).
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool | None = False
+    skip_special_tokens: bool | None = True
     repetition_penalty: float | None = 1.0
     min_tokens: int | None = 0
     min_p: float | None = 0.0
@@ -73,16 +75,20 @@ class _SamplingFields(BaseModel):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
+    structured_outputs: dict | None = None  # vLLM 0.32's name for what guided_* did
     guided_json: str | dict | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Refused unless free text: a client that asks for JSON must not get free text.
+    response_format: dict | None = None
     # OasisKV extensions: how this request is decoded.
     oasiskv_mode: Mode | None = None
     oasiskv_budget_tokens: int | None = Field(None, ge=16)
 
-    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "min_p",
-                     mode="after")
+    @field_validator("temperature", "top_p", "top_k", "stream", "n", "ignore_eos", "include_stop_str_in_output",
+                     "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                     "min_p", mode="after")
     @classmethod
     def _null_is_default(cls, value, info):
         return cls.model_fields[info.field_name].default if value is None else value
@@ -93,8 +99,12 @@ class _SamplingFields(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFeature("stream_options is only allowed with stream: true")
         for name in _UNSUPPORTED_VLLM_FIELDS:
-            if getattr(self, name) not in (type(self).model_fields[name].default, []):
-                raise UnsupportedFeature(f"{name} is not supported")
+            if getattr(self, name) not in (type(self).model_fields[name].default, [], {}):
+                raise UnsupportedFeature(f"{name} is not supported (free text only)" if name == "structured_outputs"
+                                         else f"{name} is not supported")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise UnsupportedFeature(f"response_format {kind!r} is not supported (free text only)")
 
     _stop_text = field_validator("stop")(_encodable)
 
@@ -108,10 +118,15 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk, as vLLM's stream_options.continuous_usage_stats (with include_usage)."""
+        return self.include_usage and bool((self.stream_options or {}).get("continuous_usage_stats"))
+
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -169,8 +184,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    # Refused rather than ignored: a client that asks for JSON or a tool call must not get free text.
-    response_format: dict | None = None
+    # Refused rather than ignored: a client that asks for a tool call must not get free text.
     tools: list | None = None
     tool_choice: str | dict | None = None
     top_logprobs: int | None = None
@@ -179,6 +193,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    # vLLM's: the reply starts with the last message's content when that message is the assistant's.
+    echo: bool | None = False
 
     def logprobs_requested(self) -> int | None:
         """How many alternatives each token's logprobs list; None: no logprobs."""
@@ -192,9 +208,8 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise UnsupportedFeature(f"response_format {kind!r} is not supported (free text only)")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise UnsupportedFeature("when using tool_choice, tools must be set")
         if self.tools and self.tool_choice != "none":
             raise UnsupportedFeature("tools (function calling) are not supported")
         if self.continue_final_message:
@@ -211,6 +226,12 @@ class ChatCompletionRequest(_SamplingFields):
         if self.tools:
             variables["tools"] = self.tools
         return variables
+
+    def echoed(self) -> str:
+        """What the reply starts with under `echo`: the last message's content when that message
+        is the assistant's (a reply being continued), else nothing, as vLLM does it."""
+        last = self.messages[-1]
+        return last.content if self.echo and last.role == "assistant" and last.content else ""
 
 
 def new_id(prefix: str) -> str:

@@ -33,6 +33,7 @@ class Event:
     finished: bool = False
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens added since the last event
+    stop_reason: str | int | None = None  # of a "stop" finish: the stop token id or string; None for EOS
 
 
 class ShuttingDown(RuntimeError):
@@ -317,7 +318,8 @@ class ClusterService:
                     status = "abort" if out["finish_reason"] == "abort" else "success"
                 new_logprobs = logprobs[sent_tokens:token_count]  # empty unless the request asked for them
                 if delta or new_logprobs or out["finished"]:
-                    yield Event(delta, token_count, out["finished"], out["finish_reason"], new_logprobs)
+                    yield Event(delta, token_count, out["finished"], out["finish_reason"], new_logprobs,
+                                out.get("stop_reason"))
                 if out["finished"]:
                     break
         except (asyncio.CancelledError, GeneratorExit):

@@ -25,7 +25,7 @@ from ..kvstore import DEFAULT_SUMMARY_KIND, KVStoreError, StoreTimeout, ranking_
 from ..kvstore.summary import summary_read_dtype
 from ..models.device import require_device
 from ..models.engine.scheduler import RequestTooLarge
-from ..models.engine.stopping import OutputText, finish_reason, request_eos_ids, visible_text
+from ..models.engine.stopping import OutputText, finish_reason, request_eos_ids, stop_reason, visible_text
 from ..models.sampling import (
     SamplingParams,
     TokenLogprob,
@@ -139,6 +139,8 @@ class DecodeOutput:
     error: str | None = None
     # The logprobs of new_token_ids, when the request asked for them.
     logprobs: list[TokenLogprob] | None = None
+    # What ended a "stop" finish, as vLLM reports it: a stop_token_ids id, the stop string, or None (EOS).
+    stop_reason: str | int | None = None
 
 
 class DecodeEngine:
@@ -240,7 +242,8 @@ class DecodeEngine:
             for req in self.waiting:
                 if req.finish_reason:
                     self._free_in_store(req.request_id)
-                    finished.append(DecodeOutput(req.request_id, [], req.output_ids, req.text, True, req.finish_reason))
+                    finished.append(DecodeOutput(req.request_id, [], req.output_ids, req.text, True, req.finish_reason,
+                                                 stop_reason=self._stop_reason(req, req.finish_reason)))
             self.waiting.clear()
             self.waiting.extend(still_waiting)
         while self.waiting and len(self.running) + len(self.admitting) < self.config.max_num_seqs:
@@ -525,7 +528,15 @@ class DecodeEngine:
         if reason:
             self._finish(req, reason)
         return DecodeOutput(req.request_id, new, list(req.output_ids), req.text, reason is not None, reason,
-                            logprobs=None if logprobs is None else logprobs[: len(new)])
+                            logprobs=None if logprobs is None else logprobs[: len(new)],
+                            stop_reason=self._stop_reason(req, reason))
+
+    def _stop_reason(self, req: DecodeRequest, reason: str | None) -> str | int | None:
+        if reason != "stop":
+            return None
+        # A fresh decoder: the request's OutputText follows the shown text and must not be rewound.
+        return stop_reason(OutputText(self.tokenizer, req.params.skip_special_tokens), req.output_ids, req.params,
+                           self.eos_token_ids)
 
     def _finish(self, req: DecodeRequest, reason: str, wait_for_free: bool = True) -> None:
         """Take the request out: its drafter state, its store memory and its rows. The free is

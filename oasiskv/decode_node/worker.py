@@ -189,7 +189,7 @@ class DecodeWorker:
             self._text_sent[out.request_id] = len(out.text)
         return {"request_id": out.request_id, "new_token_ids": out.new_token_ids, "num_tokens": len(out.token_ids),
                 "text_delta": out.text[sent:], "finished": out.finished, "finish_reason": out.finish_reason,
-                "logprobs": out.logprobs}
+                "stop_reason": out.stop_reason, "logprobs": out.logprobs}
 
     def _close(self) -> None:
         """On the loop thread (the engine is single-threaded): close everything, end every stream."""

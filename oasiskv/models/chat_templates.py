@@ -26,3 +26,21 @@ GEMMA_TURNS = (
 
 # GGUF `general.architecture` -> template used when the file has none.
 FALLBACK_CHAT_TEMPLATES = {"gemma3": GEMMA_TURNS}
+
+
+def developer_as_system(messages: list[dict], chat_template: str) -> list[dict]:
+    """OpenAI's `developer` role (newer clients send it for `system`) for a template that does
+    not know it, as vLLM renders it: each developer message becomes a system message and, where
+    that leaves a system message past the first place or several of them, they are merged into
+    one at the start, joined by blank lines. The template would otherwise write a turn of role
+    `developer`, and add its own default system prompt besides."""
+    if not any(m.get("role") == "developer" for m in messages):
+        return messages
+    if '"developer"' in chat_template or "'developer'" in chat_template:
+        return messages
+    converted = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    system_at = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if system_at == [0]:
+        return converted
+    merged = "\n\n".join(m["content"] for m in converted if m["role"] == "system" and m.get("content"))
+    return [{"role": "system", "content": merged}, *(m for m in converted if m["role"] != "system")]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from .chat_templates import developer_as_system
+
 
 class ChatTokenizer:
     def __init__(self, tokenizer: Tokenizer, config: dict, eos_token_ids: tuple[int, ...] = ()):
@@ -65,7 +67,7 @@ class ChatTokenizer:
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         text = self._template.render(
-            messages=messages,
+            messages=developer_as_system(messages, self.chat_template),
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from oasiskv.cluster.config import ServeConfig
+from oasiskv.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from oasiskv.cluster.server import BackgroundServer
 from oasiskv.decode_node.config import DecodeConfig
 from oasiskv.models.sampling import SamplingParams
@@ -148,7 +149,7 @@ def test_chat_logprobs_match_the_engine_streamed_or_not(client, smollm2_llm):
 def test_chat_logprobs_must_be_a_boolean(server):
     """A count (completions' form) was taken as true and listed no alternatives; vLLM refuses it."""
     response = _post(server, "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 3})
-    assert response.status_code == 422 and "logprobs" in response.text
+    assert response.status_code == 400 and "logprobs" in response.text
 
 
 @pytest.mark.parametrize("path, extra, fragment", [
@@ -308,28 +309,28 @@ def test_sixteen_concurrent_streams_of_different_lengths(server, smollm2_llm):
 def _post(server, path: str, body: dict) -> httpx.Response:
     # json.dumps escapes a lone surrogate as \\udXXX (valid JSON); httpx's own encoder would refuse it.
     return httpx.post(f"{server.url}/v1/{path}", content=json.dumps(body),
-                      headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+                      headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"}, timeout=120)
 
 
 @pytest.mark.parametrize(
     "body, status, fragment",
     [
         ({"model": "nope", "prompt": "hi"}, 404, "does not exist"),
-        ({"model": DEFAULT_MODEL, "prompt": "hi", "temperature": -1}, 422, "temperature"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "n": 2}, 400, "n must be 1"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "n": 0}, 400, "n must be 1 (got 0)"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream: true"),
         ({"model": DEFAULT_MODEL, "prompt": "", "max_tokens": 4}, 400, "empty"),
         ({"model": DEFAULT_MODEL, "prompt": [1] * 9000, "max_tokens": 4}, 400, "context"),
-        ({"model": DEFAULT_MODEL, "prompt": "hi", "oasiskv_mode": "fast"}, 422, "oasiskv_mode"),
-        ({"model": DEFAULT_MODEL}, 422, "prompt"),
-        ({"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": -3}, 422, "max_tokens"),
-        ({"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": "many"}, 422, "max_tokens"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "oasiskv_mode": "fast"}, 400, "oasiskv_mode"),
+        ({"model": DEFAULT_MODEL}, 400, "prompt"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
         # Each of these once reached a worker and came back as a 503 ("retry it") or a bare 500.
-        ({"model": DEFAULT_MODEL, "prompt": "hi", "seed": 2**70}, 422, "seed"),
-        ({"model": DEFAULT_MODEL, "prompt": "hi", "oasiskv_budget_tokens": 24}, 422, "multiple of the block size"),
-        ({"model": DEFAULT_MODEL, "prompt": "hi \ud800", "max_tokens": 4}, 422, "lone surrogate"),
-        ({"model": DEFAULT_MODEL, "prompt": "hi", "stop": ["\udc00"]}, 422, "lone surrogate"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "seed": 2**70}, 400, "seed"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "oasiskv_budget_tokens": 24}, 400, "multiple of the block size"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi \ud800", "max_tokens": 4}, 400, "lone surrogate"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "stop": ["\udc00"]}, 400, "lone surrogate"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "logit_bias": {"abc": 5}}, 400,
          "logit_bias keys must be integer token ids, got 'abc'"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "logit_bias": {"99999999": 5}}, 400,
@@ -362,9 +363,9 @@ def test_bad_requests_get_openai_errors(server, body, status, fragment):
     [
         ({"response_format": {"type": "json_object"}}, 400, "response_format"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}, 422, "lone surrogate"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}, 400, "lone surrogate"),
         # Once a 400 that quoted the chat template's Jinja error.
-        ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": None}]}, 422, "needs content"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": None}]}, 400, "needs content"),
     ],
 )
 def test_chat_features_it_cannot_honour_are_refused(server, extra, status, fragment):
@@ -705,6 +706,121 @@ def _served_again(client, deadline_s: float):
         except (openai.APIStatusError, openai.APIConnectionError):
             time.sleep(1)
     return None
+
+
+def test_a_developer_message_is_a_system_message_for_a_template_without_that_role(client):
+    """OpenAI's newer clients send `developer` for `system`. SmolLM2's template has no such role:
+    it wrote a `developer` turn and its own default system prompt besides (47 prompt tokens against
+    vLLM's 25); vLLM renders it as the system message."""
+    def ask(role):
+        return client.chat.completions.create(
+            model=DEFAULT_MODEL, max_tokens=8, temperature=0,
+            messages=[{"role": role, "content": "Be terse."}, {"role": "user", "content": "What is 2+2?"}])
+
+    developer, system = ask("developer"), ask("system")
+    assert developer.usage.prompt_tokens == system.usage.prompt_tokens
+    assert developer.choices[0].message.content == system.choices[0].message.content
+
+
+@pytest.mark.parametrize("path, extra, fragment", [
+    ("completions", {"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs"),
+    ("chat/completions", {"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
+    ("completions", {"response_format": {"type": "json_object"}}, "response_format 'json_object'"),
+    ("chat/completions", {"tool_choice": "auto"}, "when using tool_choice, tools must be set"),
+])
+def test_structured_output_is_refused_not_answered_in_free_text(server, path, extra, fragment):
+    body = {"max_tokens": 4, **extra}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})
+    response = _post(server, path, body)
+    assert response.status_code == 400 and fragment in response.json()["error"]["message"]
+
+
+def test_null_in_an_optional_field_is_its_default(server, client):
+    """The openai client sends temperature=None as null; it was a 422 where vLLM serves it."""
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 6, "temperature": None, "top_p": None, "top_k": None,
+            "n": None, "stream": None, "echo": None, "ignore_eos": None, "skip_special_tokens": None}
+    response = _post(server, "completions", body)
+    assert response.status_code == 200, response.text
+    reply = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=4, temperature=None, top_p=None, n=None)
+    assert reply.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_max_tokens_past_the_context_is_cut_to_the_room_left(server):
+    """As vLLM: 100 tokens asked with 5 left give 5 (it was a 400); a max_tokens over the whole
+    context, or a prompt that fills it, is still refused."""
+    from oasiskv.cluster.api import _sampling
+
+    context = server.service.max_model_len
+    # The cut itself (a prompt this long would not fit this server's small store).
+    assert _sampling(CompletionRequest(prompt="x", max_tokens=100), context - 5, context).max_tokens == 5
+    assert _sampling(ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]), context - 5,
+                     context).max_tokens == 5
+    for body, fragment in (({"prompt": "hi", "max_tokens": context + 1}, "max_tokens"),
+                           ({"prompt": [504] * context, "max_tokens": 1}, "leaves no room")):
+        response = _post(server, "completions", body)
+        assert response.status_code == 400 and fragment in response.json()["error"]["message"]
+
+
+def test_chat_echo_starts_the_reply_with_the_assistant_message_it_continues(client):
+    messages = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "The answer is"}]
+    kwargs = dict(model=DEFAULT_MODEL, messages=messages, max_tokens=6, temperature=0,
+                  extra_body={"add_generation_prompt": False})
+    plain = client.chat.completions.create(**kwargs).choices[0].message.content
+    echoed = client.chat.completions.create(**{**kwargs, "extra_body": {"add_generation_prompt": False, "echo": True}})
+    assert echoed.choices[0].message.content == "The answer is" + plain
+    streamed = client.chat.completions.create(**{**kwargs, "extra_body": {"add_generation_prompt": False, "echo": True}},
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == "The answer is" + plain
+    # A final user message is not echoed (as vLLM).
+    user_last = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages[:1], max_tokens=4,
+                                               temperature=0, extra_body={"echo": True})
+    assert not user_last.choices[0].message.content.startswith("Name a fruit.")
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
+    chunks = list(client.completions.create(
+        model=DEFAULT_MODEL, prompt="def fibonacci(n):", max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert all(c.usage is not None for c in chunks)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 8 and chunks[-1].choices == []
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+
+
+def test_version_and_the_model_card_carry_what_vllm_clients_read(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    card = httpx.get(f"{server.url}/v1/models", headers=headers).json()["data"][0]
+    assert card["max_model_len"] == server.service.max_model_len and card["root"] == DEFAULT_MODEL
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_the_output(client, smollm2_llm):
+    """vLLM reports which stop ended a choice (`stop_reason`); clients that tell stop strings
+    apart read it. It was missing from every choice and chunk."""
+    prompt = "def fibonacci(n):"
+    expected = smollm2_llm.generate([smollm2_llm.encode(prompt)], SamplingParams(max_tokens=12))[0]
+    stop_text = smollm2_llm.tokenizer.decode(expected.token_ids[3:5]).strip()
+    stop_token = expected.token_ids[4]
+    assert stop_text and stop_text in expected.text
+    by_string = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                          stop=[stop_text])
+    assert by_string.choices[0].finish_reason == "stop"
+    assert by_string.model_extra is not None and by_string.choices[0].model_extra["stop_reason"] == stop_text
+    by_token = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=12, temperature=0, extra_body={"stop_token_ids": [stop_token]})
+    reply = by_token.choices[0]
+    if reply.finish_reason == "stop":  # the chat prompt's output may not reach that token
+        assert reply.model_extra["stop_reason"] in (stop_token, None)
+    streamed = list(client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                              stop=[stop_text], stream=True))
+    last = [c for c in streamed if c.choices][-1].choices[0]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == stop_text
+    assert client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=3,
+                                     temperature=0).choices[0].model_extra["stop_reason"] is None
+    tokens = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                       extra_body={"stop_token_ids": [stop_token]})
+    assert tokens.choices[0].finish_reason == "stop" and tokens.choices[0].model_extra["stop_reason"] == stop_token
 
 
 def test_a_prefill_worker_killed_mid_prefill_leaves_nothing_in_the_store(server, client):

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from oasiskv.models.engine.stopping import OutputText, _stop_prefix_at_end, visible_text
+from oasiskv.models.engine.stopping import OutputText, _stop_prefix_at_end, stop_reason, visible_text
 from oasiskv.models.sampling import SamplingParams
 
 EOS = {0}
@@ -189,3 +189,16 @@ def test_a_character_that_never_finishes_does_not_take_back_the_one_before_it():
         shown = text
     assert shown == "a𝔫"
     assert visible_text(output, ids, SamplingParams(), "length", EOS) == ("a𝔫\ufffdb", "length")
+
+
+def test_the_stop_reason_names_what_ended_the_output_as_vllm_does(tokenizer):
+    """vLLM's `stop_reason`: the stop string that matched (the first in the text), the
+    stop_token_ids id, or None for an EOS (even one also listed in stop_token_ids)."""
+    ids = tokenizer.encode("alpha beta STOP gamma")
+    assert stop_reason(tokenizer, ids, SamplingParams(stop=["gamma", "STOP"]), EOS) == "STOP"
+    assert stop_reason(tokenizer, ids, SamplingParams(stop_token_ids=[ids[-1]]), EOS) == ids[-1]
+    assert stop_reason(tokenizer, ids + [0], SamplingParams(stop=["STOP"]), EOS) is None
+    assert stop_reason(tokenizer, ids + [0], SamplingParams(stop_token_ids=[0]), EOS) is None
+    assert stop_reason(tokenizer, ids + [0], SamplingParams(stop_token_ids=[0], ignore_eos=True), EOS) == 0
+    # A stop string inside the first min_tokens tokens does not count, as in visible_text.
+    assert stop_reason(tokenizer, ids, SamplingParams(stop=["alpha"], min_tokens=2, max_tokens=16), EOS) is None

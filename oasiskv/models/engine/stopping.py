@@ -104,20 +104,38 @@ def visible_text(tokenizer, output_ids: list[int], params: SamplingParams, reaso
             and (ids[-1] in eos_token_ids or ids[-1] in params.stop_token_ids)):
         ids = ids[:-1]
     text = tokenizer.decode(ids)
-    if params.stop and len(ids) > params.min_tokens:
-        # As vLLM: a stop string counts once it ends in the text after the first min_tokens tokens.
-        protected = _protected_chars(tokenizer, ids, params.min_tokens)
-        found = [(i, len(s)) for i, s in ((text.find(s, max(0, protected - len(s) + 1)), s) for s in params.stop)
-                 if i >= 0]
-        if found:
-            cut, length = min(found)  # the stop string that comes first in the text
-            return text[: cut + length if params.include_stop_str_in_output else cut], "stop"
+    found = _first_stop_string(tokenizer, ids, text, params)
+    if found:
+        cut, stop = found
+        return text[: cut + len(stop) if params.include_stop_str_in_output else cut], "stop"
     if reason is None:
         text = _settled(text, params.stop)
     else:
         # As vLLM: bytes of a character the output ended before completing are not shown.
         text = text.rstrip("\ufffd")
     return text, reason
+
+
+def stop_reason(tokenizer, output_ids: list[int], params: SamplingParams, eos_token_ids) -> str | int | None:
+    """What ended an output that finished with "stop", as vLLM reports it in `stop_reason`: the
+    token id from `stop_token_ids`, the stop string that matched, or None for an EOS."""
+    last = output_ids[-1] if output_ids else None
+    if last is not None and not params.ignore_eos and last in eos_token_ids:
+        return None
+    if last in params.stop_token_ids:
+        return last
+    found = _first_stop_string(tokenizer, output_ids, tokenizer.decode(output_ids), params)
+    return found[1] if found else None
+
+
+def _first_stop_string(tokenizer, ids: list[int], text: str, params: SamplingParams) -> tuple[int, str] | None:
+    """(where it starts, the stop string) for the stop string that comes first in `text`; None
+    when none ends after the first min_tokens tokens (as vLLM: one counts only from there)."""
+    if not params.stop or len(ids) <= params.min_tokens:
+        return None
+    protected = _protected_chars(tokenizer, ids, params.min_tokens)
+    found = [(i, s) for i, s in ((text.find(s, max(0, protected - len(s) + 1)), s) for s in params.stop) if i >= 0]
+    return min(found, key=lambda f: (f[0], len(f[1]))) if found else None
 
 
 def _protected_chars(tokenizer, ids: list[int], min_tokens: int) -> int:
