@@ -274,7 +274,7 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
         raise ApiError(504, "the request timed out", "timeout") from exc
     except Exception as exc:
         raise _failed(exc) from exc
-    formatter = None if params.logprobs is None else LogprobFormatter(service.tokenizer)
+    formatter = None if params.logprobs is None else LogprobFormatter(service.tokenizer, params.skip_special_tokens)
     if body.stream:
         return StreamingResponse(_sse(request, request_id, kind, body, ids, first, events, formatter),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

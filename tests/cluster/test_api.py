@@ -137,10 +137,16 @@ def test_chat_logprobs_match_the_engine_streamed_or_not(client, smollm2_llm):
         if c.choices and c.choices[0].logprobs for item in c.choices[0].logprobs.content]
     for content in (whole.choices[0].logprobs.content, streamed):
         assert len(content) == whole.usage.completion_tokens == len(expected.token_ids)
-        for item, e in zip(content, expected.logprobs):
-            assert item.token == smollm2_llm.tokenizer.decode([e.token_id]) and item.bytes == list(item.token.encode())
+        tok = smollm2_llm.tokenizer
+        for k, (item, e) in enumerate(zip(content, expected.logprobs)):
+            # Each token's text is what it adds to the output (the request skips special tokens).
+            before = tok.decode(expected.token_ids[:k], skip_special_tokens=True)
+            added = tok.decode(expected.token_ids[: k + 1], skip_special_tokens=True)[len(before):]
+            assert item.token == added and item.bytes == list(item.token.encode())
             assert abs(item.logprob - e.logprob) < 1e-3
-            assert [t.token for t in item.top_logprobs] == [smollm2_llm.tokenizer.decode([t]) for t, _ in e.top]
+            assert [t.token for t in item.top_logprobs] == [
+                tok.decode(expected.token_ids[:k] + [t], skip_special_tokens=True)[len(before):] for t, _ in e.top]
+        assert "".join(item.token for item in content) == whole.choices[0].message.content
     only_token = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=3, temperature=0,
                                                 logprobs=True)
     assert [len(i.top_logprobs) for i in only_token.choices[0].logprobs.content] == [0, 0, 0]

@@ -8,25 +8,21 @@ with byte fallback built here (Gemma's decoder, and Llama 2's, which strips the 
 
 from __future__ import annotations
 
-import os
 import random
-from pathlib import Path
 
 import pytest
 
 from oasiskv.cluster.logprobs import LogprobFormatter
 from oasiskv.models.engine.stopping import OutputText, visible_text
+from oasiskv.models.pull import resolve_model
 from oasiskv.models.sampling import SamplingParams, TokenLogprob
 from oasiskv.models.tokenizer import ChatTokenizer, load_tokenizer
 
-MODELS = Path(os.path.expanduser("~/.cache/oasiskv/models"))
 CHARS = ("abc xyz,.\n" "日本の首都は東京です" "アニメ、漢字" "한국어" "éüß" "😀🎉👍🏽🇯🇵" "\u2581<>")
 
 
 def _model(name: str) -> ChatTokenizer:
-    if not (MODELS / name / "tokenizer.json").is_file():
-        pytest.skip(f"{name}'s tokenizer is not in {MODELS}")
-    return load_tokenizer(MODELS / name)
+    return load_tokenizer(resolve_model(name, progress=False))  # pulled once, as the server would
 
 
 def _byte_fallback(strip_first_space: bool = False) -> ChatTokenizer:
@@ -58,7 +54,10 @@ TOKENIZERS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(TOKENIZERS))
+@pytest.fixture(scope="module", params=[
+    # Gemma 3's own tokenizer in the slow suite (its pull is large); the byte-fallback tokenizers
+    # built above have its decoder.
+    pytest.param(name, marks=pytest.mark.slow) if name == "gemma3" else name for name in TOKENIZERS])
 def tokenizer(request):
     return TOKENIZERS[request.param]()
 
