@@ -4,6 +4,7 @@ health and metrics. Errors use OpenAI's error JSON with the matching HTTP status
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -17,7 +18,13 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..models.sampling import SamplingParams, TokenLogprob, require_known_bias_tokens, require_known_stop_tokens
+from ..models.sampling import (
+    SamplingParams,
+    TokenLogprob,
+    require_known_bias_tokens,
+    require_known_stop_tokens,
+    stream_seed,
+)
 from ..prefill_node.vllm_worker import vllm_prefill_refusal
 from .logprobs import LogprobFormatter
 from .protocol import (
@@ -252,34 +259,44 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
         raise ApiError(400, f"oasiskv_budget_tokens must be a multiple of the block size ({block}), got "
                             f"{body.oasiskv_budget_tokens}", "invalid_request_error", "oasiskv_budget_tokens")
     request_id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
-    events = service.generate(request_id, ids, params, body.oasiskv_mode, body.oasiskv_budget_tokens)
+    # n choices are n requests to the cluster (each prefilled, decoded and counted on its own);
+    # choice i > 0 of a seeded request samples from a seed derived from it, so the choices differ
+    # and the response is reproducible.
+    choice_params = [params] + [dataclasses.replace(params, seed=None if params.seed is None else
+                                                    stream_seed(params.seed, f"choice-{i}")) for i in range(1, body.n)]
+    streams = [service.generate(request_id if body.n == 1 else f"{request_id}-{i}", ids, p, body.oasiskv_mode,
+                                body.oasiskv_budget_tokens) for i, p in enumerate(choice_params)]
     try:
         # Routing errors surface with the first event, before any byte is sent; a long prefill
         # comes first too, so a client that hangs up during it must end the request here.
-        first = await _unless_disconnected(request, anext(events))
+        firsts = await _unless_disconnected(request, _gather_or_cancel(*(_first_event(e) for e in streams)))
     except ClientDisconnected:
-        await events.aclose()
+        await _close_all(streams)
         return _hung_up()
-    except StopAsyncIteration:
-        first = None
     except Overloaded as exc:
+        await _close_all(streams)
         # Counted here, where it is refused: the OasisKVRequestsRejected alert and the outcome
         # panels read status="rejected", which nothing counted.
         service.metrics.requests.labels(status="rejected").inc()
         raise ApiError(exc.status, str(exc), "server_overloaded" if exc.status == 429 else "service_unavailable",
                        headers={"Retry-After": str(exc.retry_after_s)}) from exc
     except TooLarge as exc:
+        await _close_all(streams)
         raise ApiError(400, str(exc), "invalid_request_error") from exc
     except TimeoutError as exc:
+        await _close_all(streams)
         raise ApiError(504, "the request timed out", "timeout") from exc
     except Exception as exc:
+        await _close_all(streams)
         raise _failed(exc) from exc
-    formatter = None if params.logprobs is None else LogprobFormatter(service.tokenizer, params.skip_special_tokens)
+    formatters = [None if params.logprobs is None else LogprobFormatter(service.tokenizer, params.skip_special_tokens)
+                  for _ in streams]
     if body.stream:
-        return StreamingResponse(_sse(request, request_id, kind, body, ids, first, events, formatter),
+        return StreamingResponse(_sse(request, request_id, kind, body, ids, firsts, streams, formatters),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        text, reason, stop, completion_tokens, logprobs = await _unless_disconnected(request, _collect(first, events))
+        outcomes = await _unless_disconnected(
+            request, _gather_or_cancel(*(_collect(first, events) for first, events in zip(firsts, streams))))
     except ClientDisconnected:
         return _hung_up()
     except TimeoutError as exc:
@@ -287,16 +304,44 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     except Exception as exc:  # a worker died mid-request: the request is lost, the server is not
         raise _failed(exc) from exc
     finally:
-        await events.aclose()  # after a hang-up this aborts the request and frees its KV
+        await _close_all(streams)  # after a hang-up this aborts the requests and frees their KV
+    completion_tokens = sum(outcome[3] for outcome in outcomes)
     usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
              "total_tokens": len(ids) + completion_tokens}
-    if kind == "chat.completion":
-        choice = {"index": 0, "message": {"role": "assistant", "content": body.echoed() + text}, "finish_reason": reason,
-                  "stop_reason": stop, "logprobs": formatter and formatter.chat(logprobs)}
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": reason, "stop_reason": stop,
-                  "logprobs": formatter and formatter.completion(logprobs)}
-    return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": [choice], "usage": usage}
+    choices = []
+    for index, ((text, reason, stop, _, logprobs), formatter) in enumerate(zip(outcomes, formatters)):
+        if kind == "chat.completion":
+            choices.append({"index": index, "message": {"role": "assistant", "content": body.echoed() + text},
+                            "finish_reason": reason, "stop_reason": stop,
+                            "logprobs": formatter and formatter.chat(logprobs)})
+        else:
+            choices.append({"index": index, "text": text, "finish_reason": reason, "stop_reason": stop,
+                            "logprobs": formatter and formatter.completion(logprobs)})
+    return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": choices, "usage": usage}
+
+
+async def _first_event(events):
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        return None
+
+
+async def _gather_or_cancel(*awaitables):
+    """The results of all, or the first exception, the others cancelled (gather leaves them
+    running, holding their requests)."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close_all(streams) -> None:
+    for events in streams:
+        await events.aclose()
 
 
 def _failed(exc: Exception) -> ApiError:
@@ -358,51 +403,51 @@ async def _unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def _sse(request: Request, request_id: str, kind: str, body, ids, first, events,
-               formatter: LogprobFormatter | None) -> AsyncIterator[bytes]:
+async def _sse(request: Request, request_id: str, kind: str, body, ids, firsts, streams,
+               formatters: list[LogprobFormatter | None]) -> AsyncIterator[bytes]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created = now()
-    completion_tokens = 0
+    completion_tokens = [0] * len(streams)
 
-    def chunk(delta_text: str | None, reason: str | None, role: bool = False,
+    def usage() -> dict:
+        return {"prompt_tokens": len(ids), "completion_tokens": sum(completion_tokens),
+                "total_tokens": len(ids) + sum(completion_tokens)}
+
+    def chunk(index: int, delta_text: str | None, reason: str | None, role: bool = False,
               logprobs: list[TokenLogprob] | None = None, stop: str | int | None = None) -> bytes:
+        formatter = formatters[index]
         if chunk_kind == "chat.completion.chunk":
             delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "stop_reason": stop,
+            choice = {"index": index, "delta": delta, "finish_reason": reason, "stop_reason": stop,
                       "logprobs": formatter.chat(logprobs) if formatter and logprobs else None}
         else:
-            choice = {"index": 0, "text": delta_text or "", "finish_reason": reason, "stop_reason": stop,
+            choice = {"index": index, "text": delta_text or "", "finish_reason": reason, "stop_reason": stop,
                       "logprobs": formatter.completion(logprobs) if formatter and logprobs else None}
         payload = {"id": request_id, "object": chunk_kind, "created": created, "model": body.model, "choices": [choice]}
         if body.continuous_usage:  # as vLLM: every chunk carries the usage so far
-            payload["usage"] = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                                "total_tokens": len(ids) + completion_tokens}
+            payload["usage"] = usage()
         elif body.include_usage:
             payload["usage"] = None
         return f"data: {json.dumps(payload)}\n\n".encode()
 
+    merged = _Merged(firsts, streams)
     try:
         if chunk_kind == "chat.completion.chunk":
-            yield chunk(None, None, role=True)
-            if body.echoed():
-                yield chunk(body.echoed(), None)
-        event = first
-        while event is not None:
-            completion_tokens = event.num_tokens
+            for index in range(len(streams)):
+                yield chunk(index, None, None, role=True)
+                if body.echoed():
+                    yield chunk(index, body.echoed(), None)
+        async for index, event in merged:
+            completion_tokens[index] = event.num_tokens
             if event.delta or event.logprobs or event.finished:
-                yield chunk(event.delta, event.finish_reason if event.finished else None, logprobs=event.logprobs,
-                            stop=event.stop_reason if event.finished else None)
-            if event.finished:
-                break
-            event = await events.__anext__()
+                yield chunk(index, event.delta, event.finish_reason if event.finished else None,
+                            logprobs=event.logprobs, stop=event.stop_reason if event.finished else None)
         if body.include_usage:
-            usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-                     "total_tokens": len(ids) + completion_tokens}
             payload = {"id": request_id, "object": chunk_kind, "created": created, "model": body.model,
-                       "choices": [], "usage": usage}
+                       "choices": [], "usage": usage()}
             yield f"data: {json.dumps(payload)}\n\n".encode()
         yield b"data: [DONE]\n\n"
-    except (StopAsyncIteration, asyncio.CancelledError):
+    except asyncio.CancelledError:
         pass
     except TimeoutError:
         yield f"data: {json.dumps(error_body('the request timed out', 'timeout', 504))}\n\n".encode()
@@ -411,4 +456,46 @@ async def _sse(request: Request, request_id: str, kind: str, body, ids, first, e
         yield f"data: {json.dumps(error_body(_failed(exc).message, 'service_unavailable', 503))}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:
-        await events.aclose()  # a disconnected client lands here: the request is aborted and freed
+        await merged.close()
+        await _close_all(streams)  # a disconnected client lands here: the requests are aborted and freed
+
+
+class _Merged:
+    """The events of a request's choices, as (choice index, event) in the order they come, until
+    every choice has finished; the first error of any choice is raised."""
+
+    def __init__(self, firsts, streams):
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._left = len(streams)
+        self._pumps = [asyncio.ensure_future(self._pump(i, first, events))
+                       for i, (first, events) in enumerate(zip(firsts, streams))]
+
+    async def _pump(self, index: int, event, events) -> None:
+        try:
+            while event is not None:
+                await self._queue.put((index, event, None))
+                if event.finished:
+                    break
+                event = await anext(events, None)
+        except Exception as exc:
+            await self._queue.put((index, None, exc))
+            return
+        await self._queue.put((index, None, None))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        while self._left:
+            index, event, error = await self._queue.get()
+            if error is not None:
+                raise error
+            if event is not None:
+                return index, event
+            self._left -= 1
+        raise StopAsyncIteration
+
+    async def close(self) -> None:
+        for pump in self._pumps:
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)

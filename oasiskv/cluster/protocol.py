@@ -12,6 +12,8 @@ from ..models.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from ..models.tokenizer import require_unicode
 
 Mode = Literal["dense", "sparse-current", "lookahead"]
+# Choices per request: each is a request to the cluster of its own (prefilled and decoded apart).
+MAX_CHOICES = 16
 
 
 class UnsupportedFeature(ValueError):
@@ -94,8 +96,8 @@ class _SamplingFields(BaseModel):
         return cls.model_fields[info.field_name].default if value is None else value
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise UnsupportedFeature(f"n must be 1 (got {self.n}); for several completions send several requests")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise UnsupportedFeature(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFeature("stream_options is only allowed with stream: true")
         for name in _UNSUPPORTED_VLLM_FIELDS:
