@@ -41,6 +41,8 @@ from .service import ClusterService, ShuttingDown
 log = logging.getLogger("oasiskv.api")
 
 MAX_BODY_BYTES = 8 * 2**20
+# Choices (prompts x n) one request may ask for: each is a request to the cluster.
+MAX_CHOICES_PER_REQUEST = 64
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -149,17 +151,24 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         _check(body, config.model_name)
         prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            # Off the event loop: a long prompt takes seconds, and every stream and probe waited.
-            ids = await asyncio.to_thread(service.tokenizer.encode, prompt)
-        else:
-            ids = list(prompt)
-            vocab = service.tokenizer.vocab_size
-            if any(not 0 <= t < vocab for t in ids):
-                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt")
-        return await _serve(service, request, body, ids, "text_completion")
+        # Several prompts (strings or token id lists) are served as vLLM serves them: n choices
+        # for each, prompt after prompt.
+        several = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+        prompts = list(prompt) if several else [prompt]
+        if len(prompts) * body.n > MAX_CHOICES_PER_REQUEST:
+            raise ApiError(400, f"{len(prompts)} prompts x n {body.n} is over {MAX_CHOICES_PER_REQUEST} choices a "
+                                "request; send them in several requests", "invalid_request_error", "prompt")
+        vocab = service.tokenizer.vocab_size
+        token_ids = []
+        for one in prompts:
+            if isinstance(one, str):
+                # Off the event loop: a long prompt takes seconds, and every stream and probe waited.
+                token_ids.append(await asyncio.to_thread(service.tokenizer.encode, one))
+            else:
+                if any(not 0 <= t < vocab for t in one):
+                    raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt")
+                token_ids.append(list(one))
+        return await _serve(service, request, body, token_ids, "text_completion")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -169,7 +178,7 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
             ids = await asyncio.to_thread(service.tokenizer.apply_chat_template, messages, **body.template_variables())
         except Exception as exc:  # a template that refuses the conversation (roles out of order...)
             raise ApiError(400, f"chat template failed: {exc}", "invalid_request_error", "messages") from exc
-        return await _serve(service, request, body, ids, "chat.completion")
+        return await _serve(service, request, body, [ids], "chat.completion")
 
     return app
 
@@ -238,14 +247,17 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
         raise ApiError(400, str(exc), "invalid_request_error") from exc
 
 
-async def _serve(service: ClusterService, request: Request, body, ids: list[int], kind: str):
-    params = _sampling(body, len(ids), service.max_model_len)
+async def _serve(service: ClusterService, request: Request, body, prompts: list[list[int]], kind: str):
+    """Serve `body.n` choices for each of `prompts` (token ids), as one response or one stream."""
     config = service.config
+    prompt_params = [_sampling(body, len(ids), service.max_model_len) for ids in prompts]
+    params = prompt_params[0]  # the same but for max_tokens, cut to each prompt's room
     if config.prefill_engine == "vllm":
-        refusal = vllm_prefill_refusal(len(ids), params, config.prefill_chunk_tokens, config.vllm_max_model_len,
-                                       config.device)
-        if refusal:
-            raise ApiError(400, refusal, "invalid_request_error", "prompt")
+        for ids, one in zip(prompts, prompt_params):
+            refusal = vllm_prefill_refusal(len(ids), one, config.prefill_chunk_tokens, config.vllm_max_model_len,
+                                           config.device)
+            if refusal:
+                raise ApiError(400, refusal, "invalid_request_error", "prompt")
     try:
         require_known_stop_tokens(params, service.tokenizer.vocab_size)
     except ValueError as exc:
@@ -259,13 +271,15 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
         raise ApiError(400, f"oasiskv_budget_tokens must be a multiple of the block size ({block}), got "
                             f"{body.oasiskv_budget_tokens}", "invalid_request_error", "oasiskv_budget_tokens")
     request_id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
-    # n choices are n requests to the cluster (each prefilled, decoded and counted on its own);
-    # choice i > 0 of a seeded request samples from a seed derived from it, so the choices differ
-    # and the response is reproducible.
-    choice_params = [params] + [dataclasses.replace(params, seed=None if params.seed is None else
-                                                    stream_seed(params.seed, f"choice-{i}")) for i in range(1, body.n)]
-    streams = [service.generate(request_id if body.n == 1 else f"{request_id}-{i}", ids, p, body.oasiskv_mode,
-                                body.oasiskv_budget_tokens) for i, p in enumerate(choice_params)]
+    # Each choice is a request to the cluster (prefilled, decoded and counted on its own); choice
+    # j > 0 of a prompt samples from a seed derived from the request's, so the choices differ and
+    # the response is reproducible. Choice index: prompt after prompt, n each, as in vLLM.
+    choices = [(ids, one if j == 0 else dataclasses.replace(
+                    one, seed=None if one.seed is None else stream_seed(one.seed, f"choice-{j}")))
+               for ids, one in zip(prompts, prompt_params) for j in range(body.n)]
+    streams = [service.generate(request_id if len(choices) == 1 else f"{request_id}-{i}", ids, p, body.oasiskv_mode,
+                                body.oasiskv_budget_tokens) for i, (ids, p) in enumerate(choices)]
+    prompt_tokens = sum(len(ids) for ids in prompts)
     try:
         # Routing errors surface with the first event, before any byte is sent; a long prefill
         # comes first too, so a client that hangs up during it must end the request here.
@@ -292,7 +306,7 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     formatters = [None if params.logprobs is None else LogprobFormatter(service.tokenizer, params.skip_special_tokens)
                   for _ in streams]
     if body.stream:
-        return StreamingResponse(_sse(request, request_id, kind, body, ids, firsts, streams, formatters),
+        return StreamingResponse(_sse(request, request_id, kind, body, prompt_tokens, firsts, streams, formatters),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         outcomes = await _unless_disconnected(
@@ -306,8 +320,8 @@ async def _serve(service: ClusterService, request: Request, body, ids: list[int]
     finally:
         await _close_all(streams)  # after a hang-up this aborts the requests and frees their KV
     completion_tokens = sum(outcome[3] for outcome in outcomes)
-    usage = {"prompt_tokens": len(ids), "completion_tokens": completion_tokens,
-             "total_tokens": len(ids) + completion_tokens}
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
     choices = []
     for index, ((text, reason, stop, _, logprobs), formatter) in enumerate(zip(outcomes, formatters)):
         if kind == "chat.completion":
@@ -403,15 +417,15 @@ async def _unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def _sse(request: Request, request_id: str, kind: str, body, ids, firsts, streams,
+async def _sse(request: Request, request_id: str, kind: str, body, prompt_tokens: int, firsts, streams,
                formatters: list[LogprobFormatter | None]) -> AsyncIterator[bytes]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created = now()
     completion_tokens = [0] * len(streams)
 
     def usage() -> dict:
-        return {"prompt_tokens": len(ids), "completion_tokens": sum(completion_tokens),
-                "total_tokens": len(ids) + sum(completion_tokens)}
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": sum(completion_tokens),
+                "total_tokens": prompt_tokens + sum(completion_tokens)}
 
     def chunk(index: int, delta_text: str | None, reason: str | None, role: bool = False,
               logprobs: list[TokenLogprob] | None = None, stop: str | int | None = None) -> bytes:

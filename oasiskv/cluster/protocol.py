@@ -149,9 +149,6 @@ class CompletionRequest(_SamplingFields):
             raise UnsupportedFeature("best_of is not supported")
         if self.suffix:
             raise UnsupportedFeature("suffix is not supported")
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
-            if len(self.prompt) != 1:
-                raise UnsupportedFeature("one prompt per request: send a list of prompts as separate requests")
 
 
 class ChatMessage(BaseModel):

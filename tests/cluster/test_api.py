@@ -854,6 +854,28 @@ def test_n_choices_are_served_each_as_its_own_request(client, smollm2_llm):
     assert streamed == [c.message.content for c in whole.choices]
 
 
+def test_a_list_of_prompts_gets_n_choices_for_each_in_order(client, server, smollm2_llm):
+    """Several prompts in one completions request were a 400; vLLM serves them (lm-eval's batched
+    completions send them): n choices a prompt, prompt after prompt, usage summed over prompts."""
+    prompts = ["def fibonacci(n):", "import os\n", "class Stack:"]
+    expected = [_expected(smollm2_llm, smollm2_llm.encode(p), 6) for p in prompts]
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in out.choices] == [e for e in expected for _ in range(2)]
+    assert out.usage.prompt_tokens == sum(len(smollm2_llm.encode(p)) for p in prompts)
+    assert out.usage.completion_tokens == 36
+    as_ids = client.completions.create(model=DEFAULT_MODEL, prompt=[smollm2_llm.encode(p) for p in prompts[:2]],
+                                       max_tokens=6, temperature=0)
+    assert [c.text for c in as_ids.choices] == expected[:2]
+    streamed = ["", "", ""]
+    for c in client.completions.create(model=DEFAULT_MODEL, prompt=prompts, max_tokens=6, temperature=0, stream=True):
+        for choice in c.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == expected
+    response = _post(server, "completions", {"prompt": ["hi"] * 33, "n": 2, "max_tokens": 1})
+    assert response.status_code == 400 and "over 64 choices" in response.json()["error"]["message"]
+
+
 def test_a_prefill_worker_killed_mid_prefill_leaves_nothing_in_the_store(server, client):
     """The prefill worker dies while it writes a long prompt's KV: the request ends with a clear
     error, and its partly written KV leaves the store at once (not at the store's TTL, ten
