@@ -20,6 +20,11 @@ from .test_shutdown import _free_port, _wait_healthy
 
 ROLE_RESOURCES = ("oasiskv_store", "oasiskv_prefill", "oasiskv_decode")
 
+# Four raylets, a serve process and two lost nodes: out of the default suite, which it took past
+# 25 minutes, and run by .ci/run on its own after it (`bash scripts/test.sh -m slow
+# tests/cluster/test_multi_node.py`).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def ray_cluster():
