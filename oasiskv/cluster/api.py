@@ -41,8 +41,6 @@ from .service import ClusterService, ShuttingDown
 log = logging.getLogger("oasiskv.api")
 
 MAX_BODY_BYTES = 8 * 2**20
-# Choices (prompts x n) one request may ask for: each is a request to the cluster.
-MAX_CHOICES_PER_REQUEST = 64
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -150,14 +148,8 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         _check(body, config.model_name)
-        prompt = body.prompt
-        # Several prompts (strings or token id lists) are served as vLLM serves them: n choices
-        # for each, prompt after prompt.
-        several = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
-        prompts = list(prompt) if several else [prompt]
-        if len(prompts) * body.n > MAX_CHOICES_PER_REQUEST:
-            raise ApiError(400, f"{len(prompts)} prompts x n {body.n} is over {MAX_CHOICES_PER_REQUEST} choices a "
-                                "request; send them in several requests", "invalid_request_error", "prompt")
+        # Several prompts are served as vLLM serves them: n choices for each, prompt after prompt.
+        prompts = body.prompts()
         vocab = service.tokenizer.vocab_size
         token_ids = []
         for one in prompts:
@@ -309,8 +301,7 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
         return StreamingResponse(_sse(request, request_id, kind, body, prompt_tokens, firsts, streams, formatters),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        outcomes = await _unless_disconnected(
-            request, _gather_or_cancel(*(_collect(first, events) for first, events in zip(firsts, streams))))
+        outcomes = await _unless_disconnected(request, _collect(firsts, streams))
     except ClientDisconnected:
         return _hung_up()
     except TimeoutError as exc:
@@ -319,19 +310,21 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
         raise _failed(exc) from exc
     finally:
         await _close_all(streams)  # after a hang-up this aborts the requests and frees their KV
-    completion_tokens = sum(outcome[3] for outcome in outcomes)
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens}
     choices = []
-    for index, ((text, reason, stop, _, logprobs), formatter) in enumerate(zip(outcomes, formatters)):
+    for index, (outcome, formatter) in enumerate(zip(outcomes, formatters)):
+        common = {"index": index, "finish_reason": outcome.finish_reason, "stop_reason": outcome.stop_reason}
         if kind == "chat.completion":
-            choices.append({"index": index, "message": {"role": "assistant", "content": body.echoed() + text},
-                            "finish_reason": reason, "stop_reason": stop,
-                            "logprobs": formatter and formatter.chat(logprobs)})
+            choices.append({**common, "message": {"role": "assistant", "content": body.echoed() + outcome.text},
+                            "logprobs": formatter and formatter.chat(outcome.logprobs)})
         else:
-            choices.append({"index": index, "text": text, "finish_reason": reason, "stop_reason": stop,
-                            "logprobs": formatter and formatter.completion(logprobs)})
+            choices.append({**common, "text": outcome.text, "logprobs": formatter and formatter.completion(outcome.logprobs)})
+    usage = _usage(prompt_tokens, sum(outcome.num_tokens for outcome in outcomes))
     return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": choices, "usage": usage}
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def _first_event(events):
@@ -376,21 +369,33 @@ def _hung_up() -> Response:
     return Response(status_code=499)
 
 
-async def _collect(first, events) -> tuple[str, str | None, str | int | None, int, list[TokenLogprob]]:
-    """A non-streamed response's text, finish reason, stop reason, token count and token logprobs."""
-    text, reason, stop, completion_tokens, logprobs = "", None, None, 0, []
-    event = first
+@dataclasses.dataclass
+class _Outcome:
+    """One choice of a non-streamed response."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+
+
+async def _collect(firsts, streams) -> list[_Outcome]:
+    """Every choice's whole output, from the same merged events a stream sends."""
+    outcomes = [_Outcome() for _ in streams]
+    merged = _Merged(firsts, streams)
     try:
-        while event is not None:
-            text += event.delta
-            logprobs += event.logprobs
-            completion_tokens = event.num_tokens
-            reason = event.finish_reason or reason
-            stop = event.stop_reason if event.stop_reason is not None else stop
-            event = await events.__anext__() if not event.finished else None
-    except StopAsyncIteration:
-        pass
-    return text, reason, stop, completion_tokens, logprobs
+        async for index, event in merged:
+            outcome = outcomes[index]
+            outcome.text += event.delta
+            outcome.logprobs += event.logprobs
+            outcome.num_tokens = event.num_tokens
+            outcome.finish_reason = event.finish_reason or outcome.finish_reason
+            if event.stop_reason is not None:
+                outcome.stop_reason = event.stop_reason
+    finally:
+        await merged.close()
+    return outcomes
 
 
 async def _wait_for_hang_up(request: Request) -> None:
@@ -424,8 +429,7 @@ async def _sse(request: Request, request_id: str, kind: str, body, prompt_tokens
     completion_tokens = [0] * len(streams)
 
     def usage() -> dict:
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": sum(completion_tokens),
-                "total_tokens": prompt_tokens + sum(completion_tokens)}
+        return _usage(prompt_tokens, sum(completion_tokens))
 
     def chunk(index: int, delta_text: str | None, reason: str | None, role: bool = False,
               logprobs: list[TokenLogprob] | None = None, stop: str | int | None = None) -> bytes:

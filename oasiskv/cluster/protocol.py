@@ -12,8 +12,10 @@ from ..models.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from ..models.tokenizer import require_unicode
 
 Mode = Literal["dense", "sparse-current", "lookahead"]
-# Choices per request: each is a request to the cluster of its own (prefilled and decoded apart).
+# Choices (n) per prompt, and in all (prompts x n) per request: each choice is a request to the
+# cluster of its own, prefilled and decoded apart.
 MAX_CHOICES = 16
+MAX_CHOICES_PER_REQUEST = 64
 
 
 class UnsupportedFeature(ValueError):
@@ -141,8 +143,18 @@ class CompletionRequest(_SamplingFields):
             return None
         return int(self.logprobs)
 
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or several (strings or token id lists), as vLLM reads the field."""
+        prompt = self.prompt
+        several = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+        return list(prompt) if several else [prompt]
+
     def check_supported(self) -> None:
         super().check_supported()
+        prompts = len(self.prompts())
+        if prompts * self.n > MAX_CHOICES_PER_REQUEST:
+            raise UnsupportedFeature(f"{prompts} prompts x n {self.n} is over {MAX_CHOICES_PER_REQUEST} choices a "
+                                     "request; send them in several requests")
         if self.echo:
             raise UnsupportedFeature("echo is not supported")
         if self.best_of not in (None, 1):
