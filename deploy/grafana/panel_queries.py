@@ -1,8 +1,9 @@
 """Every PromQL expression of the OasisKV Grafana dashboards, ready to run against Prometheus.
 
-Grafana expands macros such as `$__rate_interval` before a query reaches Prometheus; `render`
-does the same with fixed values so a test (or an operator) can run each panel's query against a
-real Prometheus and see that it parses and returns data:
+Grafana expands macros such as `$__rate_interval` and the dashboards' `$namespace` variable
+before a query reaches Prometheus; `render` does the same with fixed values so a test (or an
+operator) can run each panel's query against a real Prometheus and see that it parses and
+returns data:
 
     python deploy/grafana/panel_queries.py                        # list: one JSON object a line
     python deploy/grafana/panel_queries.py --prometheus http://127.0.0.1:9090
@@ -27,6 +28,10 @@ DASHBOARD_DIR = Path(__file__).resolve().parent / "dashboards"
 # Grafana's built-in variables that can appear inside PromQL; values are what a test scrape
 # interval of about a second makes sensible.
 DEFAULT_MACROS = {"__rate_interval": "15s", "__interval": "5s", "__range": "1h"}
+
+# The dashboards' own variables, at what Grafana sends when All is selected (the allValue): `.*`
+# also matches series without the label, as under docker compose, where nothing adds `namespace`.
+DEFAULT_VARIABLES = {"namespace": ".*"}
 
 # PromQL words that look like identifiers but are not metric names.
 _KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring",
@@ -70,7 +75,7 @@ def load_queries(paths: Iterable[Path] | None = None) -> list[PanelQuery]:
 
 def render(expr: str, macros: dict[str, str] | None = None) -> str:
     """Replace `$name` and `${name}` Grafana variables by fixed values."""
-    values = {**DEFAULT_MACROS, **(macros or {})}
+    values = {**DEFAULT_MACROS, **DEFAULT_VARIABLES, **(macros or {})}
 
     def substitute(match: re.Match) -> str:
         name = match.group(1) or match.group(2)
@@ -81,20 +86,39 @@ def render(expr: str, macros: dict[str, str] | None = None) -> str:
     return re.sub(r"\$\{(\w+)\}|\$(\w+)", substitute, expr)
 
 
-def metric_names(expr: str) -> set[str]:
-    """The metric names an expression selects (a light PromQL scan, enough for dashboards:
-    strings, label matchers, grouping clauses and range durations are removed first)."""
-    text = re.sub(r'"(?:[^"\\]|\\.)*"', '""', render(expr))
-    text = re.sub(r"\{[^}]*\}", " ", text)
-    text = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", " ", text)
-    text = re.sub(r"\[[^\]]*\]", " ", text)
-    names = set()
+def _blank(text: str, pattern: str, keep_ends: bool = False) -> str:
+    """`text` with every match of `pattern` turned into spaces (its first and last character kept
+    with `keep_ends`), so offsets into the result are offsets into `text`."""
+    def spaces(match: re.Match) -> str:
+        found = match.group(0)
+        return found[0] + " " * (len(found) - 2) + found[-1] if keep_ends else " " * len(found)
+    return re.sub(pattern, spaces, text)
+
+
+def metric_selectors(expr: str) -> list[tuple[str, str]]:
+    """Each metric selector of an expression as (metric name, its label matchers as written,
+    "" when it has none), in order (a light PromQL scan, enough for dashboards: strings, label
+    matchers, grouping clauses and range durations are not read for names)."""
+    text = _blank(expr, r'"(?:[^"\\]|\\.)*"', keep_ends=True)
+    text = _blank(text, r"\{[^}]*\}", keep_ends=True)
+    text = _blank(text, r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+    text = _blank(text, r"\[[^\]]*\]")
+    selectors = []
     for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", text):
-        word = match.group(0)
-        followed_by_call = text[match.end():].lstrip().startswith("(")
-        if not followed_by_call and word.lower() not in _KEYWORDS:
-            names.add(word)
-    return names
+        word, rest = match.group(0), text[match.end():]
+        if rest.lstrip().startswith("(") or word.lower() in _KEYWORDS:
+            continue
+        matchers = ""
+        if rest.lstrip().startswith("{"):
+            start = match.end() + len(rest) - len(rest.lstrip())
+            matchers = expr[start + 1:text.index("}", start)]
+        selectors.append((word, matchers))
+    return selectors
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names an expression selects."""
+    return {name for name, _ in metric_selectors(expr)}
 
 
 def run_query(prometheus_url: str, expr: str, timeout_s: float = 10.0) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -43,17 +44,24 @@ def run(argv: list[str], timeout: float = 120, check: bool = True, **kwargs) -> 
     return result
 
 
-def start_prometheus(target: str, work: Path) -> tuple[subprocess.Popen, str]:
-    """A real Prometheus on loopback scraping `target` (host:port) every second; returns the
-    process and its base URL. The caller terminates it."""
+def start_prometheus(target: str, work: Path,
+                     namespaces: Iterable[str | None] = (None,)) -> tuple[subprocess.Popen, str]:
+    """A real Prometheus on loopback scraping `target` (host:port) every second, once for each of
+    `namespaces`: None scrapes as docker compose does, with no `namespace` label; a name labels
+    the series as the Prometheus operator labels a release's, so one exporter stands for several
+    releases. Returns the process and its base URL. The caller terminates it."""
     import socket
 
     import yaml
 
     binary = require_tool("prometheus")
+    jobs = []
+    for namespace in namespaces:
+        targets = {"targets": [target]} | ({"labels": {"namespace": namespace}} if namespace else {})
+        jobs.append({"job_name": "oasiskv-api" + (f"-{namespace}" if namespace else ""), "static_configs": [targets]})
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "oasiskv-api", "static_configs": [{"targets": [target]}]}],
+        "scrape_configs": jobs,
     }
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
     with socket.socket() as sock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -81,6 +82,52 @@ def test_every_panel_queries_prometheus_through_the_datasource_variable(name):
         for target in targets:
             assert target["expr"].strip(), f"{panel['title']} {target['refId']}: empty expr"
             assert target["datasource"]["uid"] == DS_UID
+
+
+def _matchers(text: str) -> set[tuple[str, str, str]]:
+    return set(re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"', text))
+
+
+def test_every_metric_selector_is_scoped_to_the_namespace_variable():
+    """One Prometheus often scrapes several releases, a namespace each: a selector without the
+    matcher adds every release into the panel whatever namespace is picked."""
+    unscoped = [f"{q.dashboard}/{q.panel_title}/{q.ref_id}: {name}{{{matchers}}}"
+                for q in pq.load_queries() for name, matchers in pq.metric_selectors(q.expr)
+                if ("namespace", "=~", "$namespace") not in _matchers(matchers)]
+    assert not unscoped, "\n".join(unscoped)
+
+
+def _listing_metric(variable: dict) -> str:
+    listed = re.fullmatch(r"label_values\((\w+),\s*namespace\)", variable["query"])
+    assert listed, variable["query"]
+    return listed.group(1)
+
+
+@pytest.mark.parametrize("name", sorted(DASHBOARDS))
+def test_namespace_variable_offers_every_release_and_all(name):
+    variables = {v["name"]: v for v in DASHBOARDS[name]["templating"]["list"]}
+    namespace = variables["namespace"]
+    assert namespace["type"] == "query"
+    assert namespace["datasource"] == {"type": "prometheus", "uid": DS_UID}
+    assert _listing_metric(namespace) in exposed_names()
+    assert namespace["multi"] is True and namespace["includeAll"] is True
+    # All must also match series with no namespace label (docker compose): `.*` matches the empty value
+    assert namespace["allValue"] == ".*" == pq.render("$namespace")
+    assert namespace["current"]["value"] == ["$__all"]
+
+
+def test_the_namespace_list_has_a_release_that_served_nothing_yet():
+    """label_values finds a namespace only through a series of the metric it names: a labelled
+    counter has none before its first request."""
+    metrics_module = pytest.importorskip("oasiskv.cluster.metrics")
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    exposition = generate_latest(metrics_module.ServingMetrics().registry).decode()
+    exposed = {sample.name for family in text_string_to_metric_families(exposition) for sample in family.samples}
+    for dashboard in DASHBOARDS.values():
+        (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "namespace"]
+        assert _listing_metric(variable) in exposed
 
 
 def test_queries_use_only_contract_metrics():
@@ -165,6 +212,8 @@ def test_render_and_metric_names():
     assert pq.metric_names("a / ignoring(status) group_left() b or vector(0)") == {"a", "b"}
     with pytest.raises(KeyError):
         pq.render("rate(x[$unknown])")
+    assert pq.render('x{namespace=~"$namespace"}') == 'x{namespace=~".*"}'
+    assert pq.metric_selectors('a{x="}{", y!~"z"} / on(x) b[5m] + vector(0)') == [("a", 'x="}{", y!~"z"'), ("b", "")]
 
 
 def test_provisioning_files_are_valid():
@@ -178,6 +227,10 @@ def test_provisioning_files_are_valid():
 
 # --- every query against a real Prometheus ------------------------------------------------------
 
+# Under docker compose (no namespace label) and as two Helm releases.
+SCRAPED_AS = (None, "team-a", "team-b")
+
+
 def _query(base: str, expr: str) -> dict:
     return pq.run_query(base, expr, timeout_s=5)
 
@@ -187,15 +240,15 @@ def prometheus(tmp_path_factory):
     require_tool("prometheus")
     exporter = ContractExporter()
     target = exporter.start()
-    process, base = start_prometheus(target, tmp_path_factory.mktemp("prometheus"))
+    process, base = start_prometheus(target, tmp_path_factory.mktemp("prometheus"), SCRAPED_AS)
     try:
         deadline = time.monotonic() + 30
-        while True:  # ready, and enough scrapes for a 5 s rate window
+        while True:  # ready, and enough scrapes of every job for a 5 s rate window
             assert process.poll() is None, process.stderr.read().decode()
             try:
                 answer = _query(base, "count_over_time(up[1m])")
                 samples = answer["data"]["result"]
-                if samples and float(samples[0]["value"][1]) >= 6:
+                if len(samples) == len(SCRAPED_AS) and all(float(s["value"][1]) >= 6 for s in samples):
                     break
             except (OSError, KeyError):
                 pass
@@ -208,16 +261,32 @@ def prometheus(tmp_path_factory):
         exporter.stop()
 
 
-def test_every_panel_query_returns_data_from_a_real_prometheus(prometheus):
+@pytest.mark.parametrize("namespace", [".*", "team-a"])
+def test_every_panel_query_returns_data_from_a_real_prometheus(prometheus, namespace):
     failures = []
     for query in pq.load_queries():
-        expr = pq.render(query.expr, {"__rate_interval": "5s"})
+        expr = pq.render(query.expr, {"__rate_interval": "5s", "namespace": namespace})
         answer = _query(prometheus, expr)
         result = answer.get("data", {}).get("result", [])
         values = [float(series["value"][1]) for series in result]
         if answer.get("status") != "success" or not values or not all(math.isfinite(v) for v in values):
             failures.append(f"{query.dashboard}/{query.panel_title}/{query.ref_id}: {expr} -> {answer}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("namespace, selected", [
+    (".*", {"", "team-a", "team-b"}),  # All: the empty value of an absent label matches `.*`
+    ("team-a", {"team-a"}),
+    ("(team-a|team-b)", {"team-a", "team-b"}),  # how Grafana sends several picked values
+])
+def test_the_namespace_variable_selects_series_in_a_real_prometheus(prometheus, namespace, selected):
+    """Each panel selector alone, so the answer still carries the namespace label that the
+    panels' aggregations drop."""
+    selectors = {f"{name}{{{matchers}}}" for q in pq.load_queries() for name, matchers in pq.metric_selectors(q.expr)}
+    for selector in sorted(selectors):
+        answer = _query(prometheus, pq.render(selector, {"namespace": namespace}))
+        found = {series["metric"].get("namespace", "") for series in answer["data"]["result"]}
+        assert found == selected, (selector, namespace)
 
 
 def test_alert_rule_expressions_run_on_the_contract_metrics(prometheus):
