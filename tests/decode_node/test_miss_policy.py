@@ -59,6 +59,8 @@ def test_wait_blocks_for_late_prefetches_and_decodes_as_if_they_were_on_time(smo
     assert late.prefetch_skips == 0
 
 
+# Slow-marked for the default suite's time (50 s: every layer waits for late reads); .ci/run runs it.
+@pytest.mark.slow
 def test_a_block_leaving_the_window_never_lands_in_a_row_whose_fetch_is_still_landing(smollm2_llm, store, prompts):
     """Two budget rows a head, every one of them replaced at each step: with late reads all of a
     head's budget rows are in flight when a block leaves the window. Its local copy went into

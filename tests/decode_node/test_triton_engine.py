@@ -65,6 +65,8 @@ def _decode_both(device: str, interpret: bool, model: str = "smollm2-135m") -> d
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+# Slow-marked for the default suite's time (34 s under the interpreter); .ci/run runs it.
+@pytest.mark.slow
 @needs_triton
 def test_triton_kernel_decodes_the_same_tokens_as_the_torch_path():
     tokens = _decode_both("cpu", interpret=True)
