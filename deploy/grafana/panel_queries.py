@@ -45,6 +45,7 @@ class PanelQuery:
     panel_title: str
     ref_id: str
     expr: str
+    legend_format: str = ""
 
 
 def dashboard_files(directory: Path = DASHBOARD_DIR) -> list[Path]:
@@ -63,7 +64,7 @@ def iter_queries(dashboard: dict) -> Iterator[PanelQuery]:
         for target in panel.get("targets", []):
             if target.get("expr"):
                 yield PanelQuery(dashboard["uid"], panel["id"], panel.get("title", ""),
-                                 target.get("refId", ""), target["expr"])
+                                 target.get("refId", ""), target["expr"], target.get("legendFormat", ""))
 
 
 def load_queries(paths: Iterable[Path] | None = None) -> list[PanelQuery]:
@@ -119,6 +120,24 @@ def metric_selectors(expr: str) -> list[tuple[str, str]]:
 def metric_names(expr: str) -> set[str]:
     """The metric names an expression selects."""
     return {name for name, _ in metric_selectors(expr)}
+
+
+def groupings(expr: str) -> list[tuple[str, tuple[str, ...]]]:
+    """Each label list of an expression's aggregations and vector matchings as (keyword, labels),
+    in order: `by`, `without`, `on`, `ignoring`, `group_left` and `group_right` clauses."""
+    text = _blank(expr, r'"(?:[^"\\]|\\.)*"', keep_ends=True)
+    text = _blank(text, r"\{[^}]*\}", keep_ends=True)
+    found = []
+    for match in re.finditer(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", text):
+        labels = tuple(label.strip() for label in match.group(2).split(",") if label.strip())
+        found.append((match.group(1), labels))
+    return found
+
+
+def legend(legend_format: str, labels: dict[str, str]) -> str:
+    """A series' name as Grafana's Prometheus data source makes it from a legendFormat: each
+    `{{label}}` is the series' value of that label, an empty string where the series lacks it."""
+    return re.sub(r"\{\{\s*(.+?)\s*\}\}", lambda match: labels.get(match.group(1), ""), legend_format)
 
 
 def run_query(prometheus_url: str, expr: str, timeout_s: float = 10.0) -> dict:

@@ -130,6 +130,51 @@ def test_the_namespace_list_has_a_release_that_served_nothing_yet():
         assert _listing_metric(variable) in exposed
 
 
+# Labels naming one instance inside a release: decode-0, store-0 and the decode role recur in every
+# namespace, so a grouping by one of them alone adds the same-named instances of the releases up.
+PER_INSTANCE_LABELS = {"worker", "store", "role"}
+# Labels that group across instances on purpose: a request's outcome, a histogram bucket.
+ACROSS_INSTANCES_LABELS = {"status", "le"}
+
+
+def _per_instance(query) -> set[str]:
+    """The per-instance labels a query's result keeps (named in its `by` clauses)."""
+    return {label for keyword, labels in pq.groupings(query.expr) if keyword == "by" for label in labels} & (
+        PER_INSTANCE_LABELS)
+
+
+def test_every_grouping_label_is_known_as_per_instance_or_not():
+    """A new label in a grouping needs the decision below: kept apart per namespace or not."""
+    used = {label for q in pq.load_queries() for _, labels in pq.groupings(q.expr) for label in labels}
+    assert used <= PER_INSTANCE_LABELS | ACROSS_INSTANCES_LABELS | {"namespace"}, used
+
+
+def test_per_instance_groupings_keep_the_namespace():
+    """With All or several namespaces picked, `by (worker)` makes one series of decode-0 of team-a
+    and decode-0 of team-b. `without` and `ignoring` keep the namespace as long as they do not name it."""
+    merged = []
+    for q in pq.load_queries():
+        for keyword, labels in pq.groupings(q.expr):
+            keeps = set(labels) if keyword in ("by", "on") else set()
+            if (keeps & PER_INSTANCE_LABELS and "namespace" not in keeps) or (
+                    keyword in ("without", "ignoring") and "namespace" in labels):
+                merged.append(f"{q.dashboard}/{q.panel_title}/{q.ref_id}: {keyword} ({', '.join(labels)})")
+    assert not merged, "\n".join(merged)
+
+
+def test_per_instance_legends_name_the_namespace_and_read_well_without_one():
+    """Series of two releases need the namespace in their names to be told apart. Under docker
+    compose there is no namespace label and Grafana puts an empty string in its place: the name
+    must still read as words with single spaces (no `/decode-0`, `decode-0 ()` or doubled space)."""
+    queries = [q for q in pq.load_queries() if _per_instance(q)]
+    assert queries
+    for q in queries:
+        where = f"{q.dashboard}/{q.panel_title}/{q.ref_id}: {q.legend_format!r}"
+        assert re.search(r"\{\{\s*namespace\s*\}\}", q.legend_format), where
+        compose = pq.legend(q.legend_format, {label: f"{label}-0" for label in PER_INSTANCE_LABELS})
+        assert re.fullmatch(r"[\w-]+(?: [\w-]+)*", compose.strip()), (where, compose)
+
+
 def test_queries_use_only_contract_metrics():
     allowed = exposed_names()
     for query in pq.load_queries():
@@ -214,6 +259,11 @@ def test_render_and_metric_names():
         pq.render("rate(x[$unknown])")
     assert pq.render('x{namespace=~"$namespace"}') == 'x{namespace=~".*"}'
     assert pq.metric_selectors('a{x="}{", y!~"z"} / on(x) b[5m] + vector(0)') == [("a", 'x="}{", y!~"z"'), ("b", "")]
+    assert pq.groupings('sum by (namespace, worker) (a{x="by (y)"}) / ignoring(status) group_left() max(b)') == [
+        ("by", ("namespace", "worker")), ("ignoring", ("status",)), ("group_left", ())]
+    # Grafana's Prometheus data source: a label the series lacks is an empty string
+    assert pq.legend("{{namespace}} {{ worker }} hits", {"worker": "decode-0"}) == " decode-0 hits"
+    assert pq.legend("{{namespace}} {{worker}}", {"namespace": "team-a", "worker": "decode-0"}) == "team-a decode-0"
 
 
 def test_provisioning_files_are_valid():
@@ -287,6 +337,25 @@ def test_the_namespace_variable_selects_series_in_a_real_prometheus(prometheus, 
         answer = _query(prometheus, pq.render(selector, {"namespace": namespace}))
         found = {series["metric"].get("namespace", "") for series in answer["data"]["result"]}
         assert found == selected, (selector, namespace)
+
+
+def test_per_instance_panels_keep_the_releases_apart_in_a_real_prometheus(prometheus):
+    """With All picked, decode-0 scraped as team-a, as team-b and as compose (no namespace) are
+    three series of every per-worker (per-store, per-role) panel, each with its own name."""
+    queries = [q for q in pq.load_queries() if _per_instance(q)]
+    assert queries
+    for query in queries:
+        expr = pq.render(query.expr, {"__rate_interval": "5s"})
+        result = _query(prometheus, expr)["data"]["result"]
+        namespaces = {}
+        for series in result:
+            instance = tuple(series["metric"].get(label, "") for label in sorted(_per_instance(query)))
+            namespaces.setdefault(instance, []).append(series["metric"].get("namespace", ""))
+        assert namespaces, expr
+        for instance, found in namespaces.items():
+            assert sorted(found) == sorted(ns or "" for ns in SCRAPED_AS), (query.panel_title, query.ref_id, instance, found)
+        names = [pq.legend(query.legend_format, series["metric"]) for series in result]
+        assert len(set(names)) == len(names), (query.panel_title, query.ref_id, names)
 
 
 def test_alert_rule_expressions_run_on_the_contract_metrics(prometheus):
