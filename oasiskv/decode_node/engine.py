@@ -420,6 +420,8 @@ class DecodeEngine:
                         else token_logprobs(logits[start : start + rows], emitted, req.params.logprobs))
             start += rows
             self.counters.drafts_proposed += len(draft.tokens)
+            # As verified, before a stop token or string cuts the run (as vLLM 0.32 counts them): the
+            # acceptance rate measures the drafter, and every one of these drafts was the target's choice.
             self.counters.drafts_accepted += len(emitted) - 1
             old_kv = req.num_kv
             req.num_kv += len(emitted)  # the last token and the accepted drafts now have K/V
