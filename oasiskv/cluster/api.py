@@ -272,44 +272,33 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
     streams = [service.generate(request_id if len(choices) == 1 else f"{request_id}-{i}", ids, p, body.oasiskv_mode,
                                 body.oasiskv_budget_tokens) for i, (ids, p) in enumerate(choices)]
     prompt_tokens = sum(len(ids) for ids in prompts)
+    # Every choice is pulled from now on, each as fast as it comes: a choice that waits for room
+    # in a store gets it when a sibling ends (they waited for each other's first token, and a
+    # request whose choices fit the store only in turns waited out its timeout).
+    merged = _Merged(streams)
     try:
-        # Routing errors surface with the first event, before any byte is sent; a long prefill
-        # comes first too, so a client that hangs up during it must end the request here.
-        firsts = await _unless_disconnected(request, _gather_or_cancel(*(_first_event(e) for e in streams)))
+        # Routing errors surface with every choice's first event, before any byte is sent; a long
+        # prefill comes first too, so a client that hangs up during it must end the request here.
+        await _unless_disconnected(request, merged.started())
     except ClientDisconnected:
-        await _close_all(streams)
+        await _shut(merged, streams)
         return _hung_up()
-    except Overloaded as exc:
-        await _close_all(streams)
-        # Counted here, where it is refused: the OasisKVRequestsRejected alert and the outcome
-        # panels read status="rejected", which nothing counted.
-        service.metrics.requests.labels(status="rejected").inc()
-        raise ApiError(exc.status, str(exc), "server_overloaded" if exc.status == 429 else "service_unavailable",
-                       headers={"Retry-After": str(exc.retry_after_s)}) from exc
-    except TooLarge as exc:
-        await _close_all(streams)
-        raise ApiError(400, str(exc), "invalid_request_error") from exc
-    except TimeoutError as exc:
-        await _close_all(streams)
-        raise ApiError(504, "the request timed out", "timeout") from exc
     except Exception as exc:
-        await _close_all(streams)
-        raise _failed(exc) from exc
+        await _shut(merged, streams)
+        raise _request_failed(service, exc) from exc
     formatters = [None if params.logprobs is None else LogprobFormatter(service.tokenizer, params.skip_special_tokens)
                   for _ in streams]
     if body.stream:
-        return StreamingResponse(_sse(request, request_id, kind, body, prompt_tokens, firsts, streams, formatters),
+        return StreamingResponse(_sse(request, request_id, kind, body, prompt_tokens, merged, streams, formatters),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
-        outcomes = await _unless_disconnected(request, _collect(firsts, streams))
+        outcomes = await _unless_disconnected(request, _collect(merged, len(streams)))
     except ClientDisconnected:
         return _hung_up()
-    except TimeoutError as exc:
-        raise ApiError(504, "the request timed out", "timeout") from exc
-    except Exception as exc:  # a worker died mid-request: the request is lost, the server is not
-        raise _failed(exc) from exc
+    except Exception as exc:
+        raise _request_failed(service, exc) from exc
     finally:
-        await _close_all(streams)  # after a hang-up this aborts the requests and frees their KV
+        await _shut(merged, streams)  # after a hang-up this aborts the requests and frees their KV
     choices = []
     for index, (outcome, formatter) in enumerate(zip(outcomes, formatters)):
         common = {"index": index, "finish_reason": outcome.finish_reason, "stop_reason": outcome.stop_reason}
@@ -322,33 +311,44 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
     return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": choices, "usage": usage}
 
 
+def _request_failed(service: ClusterService, exc: Exception) -> ApiError:
+    """The API's answer to a request that one of its choices failed before the response began."""
+    if isinstance(exc, Overloaded):
+        # Counted here, where it is refused: the OasisKVRequestsRejected alert and the outcome
+        # panels read status="rejected", which nothing counted.
+        service.metrics.requests.labels(status="rejected").inc()
+        return ApiError(exc.status, str(exc), "server_overloaded" if exc.status == 429 else "service_unavailable",
+                        headers={"Retry-After": str(exc.retry_after_s)})
+    if isinstance(exc, TooLarge):
+        return ApiError(400, str(exc), "invalid_request_error")
+    if isinstance(exc, TimeoutError):
+        return ApiError(504, "the request timed out", "timeout")
+    return _failed(exc)  # a worker died mid-request: the request is lost, the server is not
+
+
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-async def _first_event(events):
-    try:
-        return await anext(events)
-    except StopAsyncIteration:
-        return None
+# Cleanups still running after their request's task was cancelled (kept referenced until done).
+_CLEANUPS: set[asyncio.Task] = set()
 
 
-async def _gather_or_cancel(*awaitables):
-    """The results of all, or the first exception, the others cancelled (gather leaves them
-    running, holding their requests)."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+async def _shut(merged: "_Merged", streams) -> None:
+    """Stop pulling the choices and close their streams, which aborts the unfinished ones and
+    frees their KV, to the end even if the caller is cancelled meanwhile: Starlette cancels a
+    disconnected stream's task again at each await, and a cleanup cut short there left a finished
+    choice holding its decode seat and store memory until garbage collection."""
+    async def close() -> None:
+        await merged.close()
+        for events in streams:
+            await events.aclose()
 
-
-async def _close_all(streams) -> None:
-    for events in streams:
-        await events.aclose()
+    task = asyncio.ensure_future(close())
+    _CLEANUPS.add(task)
+    task.add_done_callback(_CLEANUPS.discard)
+    await asyncio.shield(task)
 
 
 def _failed(exc: Exception) -> ApiError:
@@ -380,21 +380,17 @@ class _Outcome:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
-async def _collect(firsts, streams) -> list[_Outcome]:
+async def _collect(merged: "_Merged", choices: int) -> list[_Outcome]:
     """Every choice's whole output, from the same merged events a stream sends."""
-    outcomes = [_Outcome() for _ in streams]
-    merged = _Merged(firsts, streams)
-    try:
-        async for index, event in merged:
-            outcome = outcomes[index]
-            outcome.text += event.delta
-            outcome.logprobs += event.logprobs
-            outcome.num_tokens = event.num_tokens
-            outcome.finish_reason = event.finish_reason or outcome.finish_reason
-            if event.stop_reason is not None:
-                outcome.stop_reason = event.stop_reason
-    finally:
-        await merged.close()
+    outcomes = [_Outcome() for _ in range(choices)]
+    async for index, event in merged:
+        outcome = outcomes[index]
+        outcome.text += event.delta
+        outcome.logprobs += event.logprobs
+        outcome.num_tokens = event.num_tokens
+        outcome.finish_reason = event.finish_reason or outcome.finish_reason
+        if event.stop_reason is not None:
+            outcome.stop_reason = event.stop_reason
     return outcomes
 
 
@@ -422,7 +418,7 @@ async def _unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def _sse(request: Request, request_id: str, kind: str, body, prompt_tokens: int, firsts, streams,
+async def _sse(request: Request, request_id: str, kind: str, body, prompt_tokens: int, merged: "_Merged", streams,
                formatters: list[LogprobFormatter | None]) -> AsyncIterator[bytes]:
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created = now()
@@ -448,7 +444,6 @@ async def _sse(request: Request, request_id: str, kind: str, body, prompt_tokens
             payload["usage"] = None
         return f"data: {json.dumps(payload)}\n\n".encode()
 
-    merged = _Merged(firsts, streams)
     try:
         if chunk_kind == "chat.completion.chunk":
             for index in range(len(streams)):
@@ -474,30 +469,54 @@ async def _sse(request: Request, request_id: str, kind: str, body, prompt_tokens
         yield f"data: {json.dumps(error_body(_failed(exc).message, 'service_unavailable', 503))}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:
-        await merged.close()
-        await _close_all(streams)  # a disconnected client lands here: the requests are aborted and freed
+        await _shut(merged, streams)  # a disconnected client lands here: the requests are aborted and freed
 
 
 class _Merged:
     """The events of a request's choices, as (choice index, event) in the order they come, until
-    every choice has finished; the first error of any choice is raised."""
+    every choice has finished; the first error of any choice is raised. Each choice is pulled
+    from the start, whoever reads (or not yet)."""
 
-    def __init__(self, firsts, streams):
+    def __init__(self, streams):
         self._queue: asyncio.Queue = asyncio.Queue()
         self._left = len(streams)
-        self._pumps = [asyncio.ensure_future(self._pump(i, first, events))
-                       for i, (first, events) in enumerate(zip(firsts, streams))]
+        self._not_started = set(range(len(streams)))
+        self._started = asyncio.get_running_loop().create_future()
+        # Read here too: a non-streamed response never awaits it, and asyncio would log its error.
+        self._started.add_done_callback(lambda done: done.cancelled() or done.exception())
+        if not streams:
+            self._started.set_result(None)
+        self._pumps = [asyncio.ensure_future(self._pump(i, events)) for i, events in enumerate(streams)]
 
-    async def _pump(self, index: int, event, events) -> None:
+    async def started(self) -> None:
+        """Every choice has its first event (or has ended); raises the first error before that."""
+        await asyncio.shield(self._started)
+
+    def _first_seen(self, index: int, error: Exception | None = None) -> None:
+        if self._started.done() or index not in self._not_started:
+            return
+        if error is not None:
+            self._started.set_exception(error)
+            return
+        self._not_started.discard(index)
+        if not self._not_started:
+            self._started.set_result(None)
+
+    async def _pump(self, index: int, events) -> None:
         try:
-            while event is not None:
+            async for event in events:
+                self._first_seen(index)
                 await self._queue.put((index, event, None))
                 if event.finished:
                     break
-                event = await anext(events, None)
+            # A finished choice gives back its decode seat and store memory now, not when the
+            # slowest of its siblings ends.
+            await events.aclose()
         except Exception as exc:
+            self._first_seen(index, exc)
             await self._queue.put((index, None, exc))
             return
+        self._first_seen(index)
         await self._queue.put((index, None, None))
 
     def __aiter__(self):

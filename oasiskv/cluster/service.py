@@ -369,7 +369,7 @@ class ClusterService:
             return
         try:
             if decode_started:
-                assignment.decode.handle.abort.remote(assignment.request_id)
+                self._background(self._abort_or_free(assignment))
             elif prefilled:
                 assignment.store.handle.free.remote(assignment.request_id)
             elif prefill_ref is not None:
@@ -379,6 +379,20 @@ class ClusterService:
                 assignment.prefill.handle.cancel.options(concurrency_group=HEALTH_GROUP).remote(assignment.request_id)
         except Exception:
             pass
+
+    async def _abort_or_free(self, assignment) -> None:
+        """Abort the request in its decode worker, which frees its KV there and in its store; a
+        worker that died meanwhile frees nothing, so the store is told here. A request cut short
+        because a sibling choice's worker died (the same worker) kept its store memory until the
+        store's TTL."""
+        try:
+            await asyncio.wait_for(_await(assignment.decode.handle.abort.remote(assignment.request_id)), timeout=60)
+            return
+        except Exception as error:
+            if not _actor_died(error):
+                return  # alive but slow to answer: its engine still frees the request
+        with contextlib.suppress(Exception):
+            assignment.store.handle.free.remote(assignment.request_id)
 
     async def _free_after(self, prefill_ref, assignment) -> None:
         with contextlib.suppress(Exception):

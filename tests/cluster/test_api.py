@@ -626,6 +626,11 @@ def test_requests_that_find_the_store_full_wait_for_room(server, client, smollm2
     for out, engine in zip(outs, expected):
         assert out.usage.prompt_tokens == prompt_tokens and out.usage.completion_tokens == len(engine.token_ids)
         assert (out.choices[0].text, out.choices[0].finish_reason) == (engine.text, "stop")
+    # Three choices of one request take turns for room too: they waited for each other's first
+    # token, so the third waited for room the first two held, and the request for its timeout.
+    one = client.completions.create(model=DEFAULT_MODEL, prompt=prompts[0], max_tokens=max_tokens, temperature=0,
+                                    n=3, timeout=60, extra_body={"oasiskv_mode": "dense", "stop_token_ids": [stops[0]]})
+    assert [(c.text, c.finish_reason) for c in one.choices] == [(expected[0].text, "stop")] * 3
     assert service.queued == 0 and service.router.stores[0].load == 0
     assert _store_requests(server) == 0
 
@@ -709,12 +714,12 @@ def _store_requests(server) -> int:
     return ray.get(server.service.handles.stores[0].handle.stats.remote())["num_requests"]
 
 
-def _stream_killing(server, actor) -> list[str]:
-    """A long greedy stream's lines, with `actor` killed (Ray restarts it) after the third."""
+def _stream_killing(server, actor, n: int = 1) -> list[str]:
+    """A long greedy stream's lines (of n choices), with `actor` killed (Ray restarts it) after the third."""
     import ray
 
     body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 500, "stream": True,
-            "ignore_eos": True, "temperature": 0}
+            "ignore_eos": True, "temperature": 0, "n": n}
     lines = []
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=120) as response:
@@ -952,8 +957,10 @@ def test_a_decode_worker_broken_for_good_is_restarted_and_serves_again(server, c
 
 def test_killed_decode_worker_fails_its_request_and_the_server_recovers(server, client):
     """Runs next to last: kills the decode actor mid-stream. Ray restarts it; the request in flight
-    ends with a clear error, its KV is freed, and later requests are served again."""
-    lines = _stream_killing(server, server.service.handles.decode[0].handle)
+    ends with a clear error, its KV is freed, and later requests are served again. Three choices:
+    the two that did not see the worker die were cut short by the one that did, and their store
+    memory stayed until the store's TTL (ten minutes; nobody told the store)."""
+    lines = _stream_killing(server, server.service.handles.decode[0].handle, n=3)
     errors = [line for line in lines if '"error"' in line]
     assert errors and "failed in a worker" in errors[0]
     data = [line for line in lines if line.startswith("data:")]

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from oasiskv.cluster.api import _collect
+from oasiskv.cluster.api import _collect, _Merged, _shut
 from oasiskv.cluster.protocol import MAX_CHOICES_PER_REQUEST, CompletionRequest, UnsupportedFeature
 from oasiskv.cluster.service import Event
 
@@ -45,13 +45,13 @@ def _stream(texts, reason="length", stop=None):
 
 def _gather(choices, fail=None):
     async def run():
-        streams = [_events(events[1:], fail_after=fail if i == 1 else None) for i, events in enumerate(choices)]
-        firsts = [events[0] for events in choices]
+        streams = [_events(events, fail_after=fail if i == 1 else None) for i, events in enumerate(choices)]
+        merged = _Merged(streams)
         try:
-            return await _collect(firsts, streams)
+            await merged.started()
+            return await _collect(merged, len(streams))
         finally:
-            for s in streams:
-                await s.aclose()
+            await _shut(merged, streams)
     return asyncio.run(run())
 
 
@@ -64,4 +64,76 @@ def test_each_choice_gets_its_own_text_count_and_reasons():
 
 def test_a_choice_that_fails_fails_the_response():
     with pytest.raises(RuntimeError, match="the worker died"):
-        _gather([_stream(["a", "b", "c"]), _stream(["x", "y", "z"])], fail=1)
+        _gather([_stream(["a", "b", "c"]), _stream(["x", "y", "z"])], fail=2)
+
+
+class _Seat:
+    """A resource one choice at a time may hold, as a store that has room for one: a stream takes
+    it before its first event and gives it back when it is closed (as the cluster's requests)."""
+
+    def __init__(self):
+        self.free = asyncio.Event()
+        self.free.set()
+        self.closed: list[int] = []
+
+    async def stream(self, index: int, tokens: int, between=0.0):
+        while not self.free.is_set():
+            await self.free.wait()
+        self.free.clear()
+        try:
+            for i in range(tokens):
+                await asyncio.sleep(between)
+                yield Event(str(index), i + 1, i + 1 == tokens, "length" if i + 1 == tokens else None)
+        finally:
+            self.closed.append(index)
+            self.free.set()
+
+
+def test_choices_that_fit_only_in_turns_are_served_not_deadlocked():
+    """Every choice's first event came before any was read on: the third waited for room that
+    the first two held until the response ended, and the request waited out its timeout."""
+    async def run():
+        seat = _Seat()
+        streams = [seat.stream(i, 3) for i in range(3)]
+        merged = _Merged(streams)
+        try:
+            await asyncio.wait_for(merged.started(), 5)
+            return await asyncio.wait_for(_collect(merged, 3), 5)
+        finally:
+            await _shut(merged, streams)
+    assert [o.text for o in asyncio.run(run())] == ["000", "111", "222"]
+
+
+def test_a_finished_choice_is_closed_while_its_sibling_still_runs():
+    """A finished choice held its decode seat and store memory until the slowest choice ended."""
+    async def run():
+        quick, slow = _Seat(), _Seat()
+        streams = [quick.stream(0, 1), slow.stream(1, 50, between=0.02)]
+        merged = _Merged(streams)
+        try:
+            await merged.started()
+            async for index, event in merged:
+                if index == 1 and event.num_tokens == 5:
+                    return list(quick.closed), list(slow.closed)
+        finally:
+            await _shut(merged, streams)
+    assert asyncio.run(run()) == ([0], [])
+
+
+def test_a_hang_up_frees_every_choice_even_as_its_task_is_cancelled_again_and_again():
+    """Starlette cancels a disconnected stream's task at every await: the cleanup stopped at the
+    first, and a choice that had already finished kept its request until garbage collection."""
+    async def run():
+        quick, slow = _Seat(), _Seat()
+        streams = [quick.stream(0, 1), slow.stream(1, 1000, between=0.01)]
+        merged = _Merged(streams)
+        await merged.started()
+        await anext(merged)
+        cleanup = asyncio.ensure_future(_shut(merged, streams))
+        await asyncio.sleep(0)  # begun, as in a response's finally
+        for _ in range(5):
+            cleanup.cancel()
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.2)
+        return quick.closed + slow.closed
+    assert sorted(asyncio.run(run())) == [0, 1]
