@@ -289,8 +289,9 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
     formatters = [None if params.logprobs is None else LogprobFormatter(service.tokenizer, params.skip_special_tokens)
                   for _ in streams]
     if body.stream:
-        return StreamingResponse(_sse(request, request_id, kind, body, prompt_tokens, merged, streams, formatters),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return _ChoicesStream(_sse(request, request_id, kind, body, prompt_tokens, merged, streams, formatters),
+                              shut=lambda: _shut(merged, streams), media_type="text/event-stream",
+                              headers={"Cache-Control": "no-cache"})
     try:
         outcomes = await _unless_disconnected(request, _collect(merged, len(streams)))
     except ClientDisconnected:
@@ -470,6 +471,22 @@ async def _sse(request: Request, request_id: str, kind: str, body, prompt_tokens
         yield b"data: [DONE]\n\n"
     finally:
         await _shut(merged, streams)  # a disconnected client lands here: the requests are aborted and freed
+
+
+class _ChoicesStream(StreamingResponse):
+    """A stream that shuts its choices when the response ends, however it ends: a client gone
+    before the body began left the body's generator unstarted, so its cleanup never ran, and the
+    choices went on decoding for nobody."""
+
+    def __init__(self, content, shut, **kwargs):
+        super().__init__(content, **kwargs)
+        self._shut_choices = shut
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._shut_choices()
 
 
 class _Merged:

@@ -135,5 +135,34 @@ def test_a_hang_up_frees_every_choice_even_as_its_task_is_cancelled_again_and_ag
             cleanup.cancel()
             await asyncio.sleep(0)
         await asyncio.sleep(0.2)
-        return quick.closed + slow.closed
+        return list(quick.closed + slow.closed)
     assert sorted(asyncio.run(run())) == [0, 1]
+
+
+def test_a_stream_whose_client_left_before_its_body_began_shuts_its_choices():
+    """The response's body generator never started, so its cleanup never ran: the choices went on
+    decoding for nobody, to max_tokens."""
+    from oasiskv.cluster.api import _ChoicesStream
+
+    async def run():
+        seat = _Seat()
+        streams = [seat.stream(0, 1000, between=0.01)]
+        merged = _Merged(streams)
+        await merged.started()
+
+        async def body():
+            began.append(True)
+            async for _, event in merged:
+                yield event.delta
+
+        async def gone():
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            await asyncio.sleep(0.05)  # the disconnect is seen while the headers go out
+
+        began = []
+        response = _ChoicesStream(body(), shut=lambda: _shut(merged, streams))
+        await response({"type": "http", "asgi": {"spec_version": "2.3"}}, gone, send)
+        return began, list(seat.closed)
+    assert asyncio.run(run()) == ([], [0])
