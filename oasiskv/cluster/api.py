@@ -281,16 +281,19 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
         # prefill comes first too, so a client that hangs up during it must end the request here.
         await _unless_disconnected(request, merged.started())
     except ClientDisconnected:
-        await _shut(merged, streams)
+        await merged.shut()
         return _hung_up()
     except Exception as exc:
-        await _shut(merged, streams)
+        await merged.shut()
         raise _request_failed(service, exc) from exc
+    except BaseException:  # cancelled (the server stops, say): the choices end as on a hang-up
+        await merged.shut()
+        raise
     formatters = [None if params.logprobs is None else LogprobFormatter(service.tokenizer, params.skip_special_tokens)
                   for _ in streams]
     if body.stream:
         return _ChoicesStream(_sse(request, request_id, kind, body, prompt_tokens, merged, streams, formatters),
-                              shut=lambda: _shut(merged, streams), media_type="text/event-stream",
+                              shut=merged.shut, media_type="text/event-stream",
                               headers={"Cache-Control": "no-cache"})
     try:
         outcomes = await _unless_disconnected(request, _collect(merged, len(streams)))
@@ -299,7 +302,7 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
     except Exception as exc:
         raise _request_failed(service, exc) from exc
     finally:
-        await _shut(merged, streams)  # after a hang-up this aborts the requests and frees their KV
+        await merged.shut()  # after a hang-up this aborts the requests and frees their KV
     choices = []
     for index, (outcome, formatter) in enumerate(zip(outcomes, formatters)):
         common = {"index": index, "finish_reason": outcome.finish_reason, "stop_reason": outcome.stop_reason}
@@ -334,22 +337,6 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 # Cleanups still running after their request's task was cancelled (kept referenced until done).
 _CLEANUPS: set[asyncio.Task] = set()
-
-
-async def _shut(merged: "_Merged", streams) -> None:
-    """Stop pulling the choices and close their streams, which aborts the unfinished ones and
-    frees their KV, to the end even if the caller is cancelled meanwhile: Starlette cancels a
-    disconnected stream's task again at each await, and a cleanup cut short there left a finished
-    choice holding its decode seat and store memory until garbage collection."""
-    async def close() -> None:
-        await merged.close()
-        for events in streams:
-            await events.aclose()
-
-    task = asyncio.ensure_future(close())
-    _CLEANUPS.add(task)
-    task.add_done_callback(_CLEANUPS.discard)
-    await asyncio.shield(task)
 
 
 def _failed(exc: Exception) -> ApiError:
@@ -470,7 +457,7 @@ async def _sse(request: Request, request_id: str, kind: str, body, prompt_tokens
         yield f"data: {json.dumps(error_body(_failed(exc).message, 'service_unavailable', 503))}\n\n".encode()
         yield b"data: [DONE]\n\n"
     finally:
-        await _shut(merged, streams)  # a disconnected client lands here: the requests are aborted and freed
+        await merged.shut()  # a disconnected client lands here: the requests are aborted and freed
 
 
 class _ChoicesStream(StreamingResponse):
@@ -503,6 +490,8 @@ class _Merged:
         self._started.add_done_callback(lambda done: done.cancelled() or done.exception())
         if not streams:
             self._started.set_result(None)
+        self._streams = streams
+        self._shutting: asyncio.Task | None = None
         self._pumps = [asyncio.ensure_future(self._pump(i, events)) for i, events in enumerate(streams)]
 
     async def started(self) -> None:
@@ -549,7 +538,22 @@ class _Merged:
             self._left -= 1
         raise StopAsyncIteration
 
-    async def close(self) -> None:
+    async def shut(self) -> None:
+        """Stop pulling the choices and close their streams, which aborts the unfinished ones and
+        frees their KV, to the end even if the caller is cancelled meanwhile: Starlette cancels a
+        disconnected stream's task again at each await, and a cleanup cut short there left a
+        finished choice holding its decode seat and store memory until garbage collection. Once:
+        a second shut while the first runs waits for it (cancelling the pumps again would cut
+        their requests' own cleanup short)."""
+        if self._shutting is None:
+            self._shutting = asyncio.ensure_future(self._shut_once())
+            _CLEANUPS.add(self._shutting)
+            self._shutting.add_done_callback(_CLEANUPS.discard)
+        await asyncio.shield(self._shutting)
+
+    async def _shut_once(self) -> None:
         for pump in self._pumps:
             pump.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)
+        for events in self._streams:
+            await events.aclose()

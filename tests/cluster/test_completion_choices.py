@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from oasiskv.cluster.api import _collect, _Merged, _shut
+from oasiskv.cluster.api import _collect, _Merged
 from oasiskv.cluster.protocol import MAX_CHOICES_PER_REQUEST, CompletionRequest, UnsupportedFeature
 from oasiskv.cluster.service import Event
 
@@ -51,7 +51,7 @@ def _gather(choices, fail=None):
             await merged.started()
             return await _collect(merged, len(streams))
         finally:
-            await _shut(merged, streams)
+            await merged.shut()
     return asyncio.run(run())
 
 
@@ -100,7 +100,7 @@ def test_choices_that_fit_only_in_turns_are_served_not_deadlocked():
             await asyncio.wait_for(merged.started(), 5)
             return await asyncio.wait_for(_collect(merged, 3), 5)
         finally:
-            await _shut(merged, streams)
+            await merged.shut()
     assert [o.text for o in asyncio.run(run())] == ["000", "111", "222"]
 
 
@@ -116,7 +116,7 @@ def test_a_finished_choice_is_closed_while_its_sibling_still_runs():
                 if index == 1 and event.num_tokens == 5:
                     return list(quick.closed), list(slow.closed)
         finally:
-            await _shut(merged, streams)
+            await merged.shut()
     assert asyncio.run(run()) == ([0], [])
 
 
@@ -129,7 +129,7 @@ def test_a_hang_up_frees_every_choice_even_as_its_task_is_cancelled_again_and_ag
         merged = _Merged(streams)
         await merged.started()
         await anext(merged)
-        cleanup = asyncio.ensure_future(_shut(merged, streams))
+        cleanup = asyncio.ensure_future(merged.shut())
         await asyncio.sleep(0)  # begun, as in a response's finally
         for _ in range(5):
             cleanup.cancel()
@@ -162,7 +162,93 @@ def test_a_stream_whose_client_left_before_its_body_began_shuts_its_choices():
             await asyncio.sleep(0.05)  # the disconnect is seen while the headers go out
 
         began = []
-        response = _ChoicesStream(body(), shut=lambda: _shut(merged, streams))
+        response = _ChoicesStream(body(), shut=merged.shut)
         await response({"type": "http", "asgi": {"spec_version": "2.3"}}, gone, send)
         return began, list(seat.closed)
     assert asyncio.run(run()) == ([], [0])
+
+
+async def _aborting_stream(index: int, log: list, tokens: int = 1000, abort_s: float = 0.05):
+    """A stream whose abort awaits (as an abort sent to a worker may), and that logs its end."""
+    finished = False
+    log.append((index, "began"))
+    try:
+        for i in range(tokens):
+            await asyncio.sleep(0.01)
+            finished = i + 1 == tokens
+            yield Event(str(index), i + 1, finished, "length" if finished else None)
+    finally:
+        if not finished:
+            try:
+                await asyncio.sleep(abort_s)
+            except BaseException as error:
+                log.append((index, f"abort cut short by {type(error).__name__}"))
+                raise
+        log.append((index, "released"))
+
+
+def test_a_second_shut_waits_for_the_first_instead_of_cutting_the_aborts_short():
+    """A hang-up shut the choices from the body's cleanup and again from the response's: the
+    second cancelled the pumps again, inside each request's abort."""
+    async def run():
+        log = []
+        streams = [_aborting_stream(i, log) for i in range(3)]
+        merged = _Merged(streams)
+        await merged.started()
+        first = asyncio.ensure_future(merged.shut())
+        await asyncio.sleep(0.01)  # the requests are in their aborts now
+        await asyncio.gather(first, merged.shut())
+        return sorted(entry for entry in log if entry[1] != "began")
+    assert asyncio.run(run()) == [(0, "released"), (1, "released"), (2, "released")]
+
+
+class _Service:
+    """What the API's request path reads of a ClusterService, with streams from `_aborting_stream`."""
+
+    def __init__(self, log):
+        from types import SimpleNamespace
+
+        self.log = log
+        self.config = SimpleNamespace(model_name="m", model="m", api_key=None, prefill_engine="none",
+                                      decode=SimpleNamespace(block_size=16))
+        self.tokenizer = SimpleNamespace(vocab_size=1000, encode=lambda text: [1, 2, 3])
+        self.max_model_len = 4096
+
+    def generate(self, request_id, prompt_ids, params, mode=None, budget_tokens=None):
+        return _aborting_stream(int(request_id.rsplit("-", 1)[1]), self.log, tokens=params.max_tokens)
+
+
+def test_a_request_cancelled_before_its_choices_began_ends_them():
+    """The server cancels a request's task (at shutdown, say) while it waits for its choices' first
+    tokens: they were neither aborted nor released, and decoded on for nobody."""
+    import json
+
+    from oasiskv.cluster.api import create_app
+
+    async def run():
+        log = []
+        app = create_app(_Service(log))
+        body = json.dumps({"model": "m", "prompt": "hi", "n": 3, "max_tokens": 1000}).encode()
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+                 "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+                 "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        received = []
+
+        async def receive():
+            received.append(True)
+            if len(received) == 1:
+                return {"type": "http.request", "body": body, "more_body": False}
+            await asyncio.Future()  # the client stays
+
+        async def send(message):
+            pass
+
+        task = asyncio.ensure_future(app(scope, receive, send))
+        while len(log) < 3:  # every choice has begun; its first token is 10 ms away
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await asyncio.sleep(0.3)
+        return sorted(entry for entry in log if entry[1] != "began")
+    assert asyncio.run(run()) == [(0, "released"), (1, "released"), (2, "released")]
