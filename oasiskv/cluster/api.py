@@ -292,11 +292,11 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
     formatters = [None if params.logprobs is None else LogprobFormatter(service.tokenizer, params.skip_special_tokens)
                   for _ in streams]
     if body.stream:
-        return _ChoicesStream(_sse(request, request_id, kind, body, prompt_tokens, merged, streams, formatters),
+        return _ChoicesStream(_sse(request_id, kind, body, prompt_tokens, merged, formatters),
                               shut=merged.shut, media_type="text/event-stream",
                               headers={"Cache-Control": "no-cache"})
     try:
-        outcomes = await _unless_disconnected(request, _collect(merged, len(streams)))
+        outcomes = await _unless_disconnected(request, _collect(merged))
     except ClientDisconnected:
         return _hung_up()
     except Exception as exc:
@@ -368,9 +368,9 @@ class _Outcome:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
 
 
-async def _collect(merged: "_Merged", choices: int) -> list[_Outcome]:
+async def _collect(merged: "_Merged") -> list[_Outcome]:
     """Every choice's whole output, from the same merged events a stream sends."""
-    outcomes = [_Outcome() for _ in range(choices)]
+    outcomes = [_Outcome() for _ in range(merged.choices)]
     async for index, event in merged:
         outcome = outcomes[index]
         outcome.text += event.delta
@@ -406,11 +406,13 @@ async def _unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def _sse(request: Request, request_id: str, kind: str, body, prompt_tokens: int, merged: "_Merged", streams,
+async def _sse(request_id: str, kind: str, body, prompt_tokens: int, merged: "_Merged",
                formatters: list[LogprobFormatter | None]) -> AsyncIterator[bytes]:
+    """The response's server-sent events; the response that sends them shuts the choices
+    (`_ChoicesStream`), however it ends."""
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created = now()
-    completion_tokens = [0] * len(streams)
+    completion_tokens = [0] * merged.choices
 
     def usage() -> dict:
         return _usage(prompt_tokens, sum(completion_tokens))
@@ -434,7 +436,7 @@ async def _sse(request: Request, request_id: str, kind: str, body, prompt_tokens
 
     try:
         if chunk_kind == "chat.completion.chunk":
-            for index in range(len(streams)):
+            for index in range(merged.choices):
                 yield chunk(index, None, None, role=True)
                 if body.echoed():
                     yield chunk(index, body.echoed(), None)
@@ -456,8 +458,6 @@ async def _sse(request: Request, request_id: str, kind: str, body, prompt_tokens
     except Exception as exc:  # after the 200 header an error can only travel in the stream
         yield f"data: {json.dumps(error_body(_failed(exc).message, 'service_unavailable', 503))}\n\n".encode()
         yield b"data: [DONE]\n\n"
-    finally:
-        await merged.shut()  # a disconnected client lands here: the requests are aborted and freed
 
 
 class _ChoicesStream(StreamingResponse):
@@ -491,6 +491,7 @@ class _Merged:
         if not streams:
             self._started.set_result(None)
         self._streams = streams
+        self.choices = len(streams)
         self._shutting: asyncio.Task | None = None
         self._pumps = [asyncio.ensure_future(self._pump(i, events)) for i, events in enumerate(streams)]
 

@@ -49,7 +49,7 @@ def _gather(choices, fail=None):
         merged = _Merged(streams)
         try:
             await merged.started()
-            return await _collect(merged, len(streams))
+            return await _collect(merged)
         finally:
             await merged.shut()
     return asyncio.run(run())
@@ -98,7 +98,7 @@ def test_choices_that_fit_only_in_turns_are_served_not_deadlocked():
         merged = _Merged(streams)
         try:
             await asyncio.wait_for(merged.started(), 5)
-            return await asyncio.wait_for(_collect(merged, 3), 5)
+            return await asyncio.wait_for(_collect(merged), 5)
         finally:
             await merged.shut()
     assert [o.text for o in asyncio.run(run())] == ["000", "111", "222"]
