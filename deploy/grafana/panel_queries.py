@@ -96,13 +96,17 @@ def _blank(text: str, pattern: str, keep_ends: bool = False) -> str:
     return re.sub(pattern, spaces, text)
 
 
+def _code(expr: str) -> str:
+    """`expr` with its strings and label matchers blanked (their quotes and braces kept), so
+    neither is read as PromQL."""
+    return _blank(_blank(expr, r'"(?:[^"\\]|\\.)*"', keep_ends=True), r"\{[^}]*\}", keep_ends=True)
+
+
 def metric_selectors(expr: str) -> list[tuple[str, str]]:
     """Each metric selector of an expression as (metric name, its label matchers as written,
     "" when it has none), in order (a light PromQL scan, enough for dashboards: strings, label
     matchers, grouping clauses and range durations are not read for names)."""
-    text = _blank(expr, r'"(?:[^"\\]|\\.)*"', keep_ends=True)
-    text = _blank(text, r"\{[^}]*\}", keep_ends=True)
-    text = _blank(text, r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+    text = _blank(_code(expr), r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
     text = _blank(text, r"\[[^\]]*\]")
     selectors = []
     for match in re.finditer(r"[A-Za-z_:][A-Za-z0-9_:]*", text):
@@ -125,8 +129,7 @@ def metric_names(expr: str) -> set[str]:
 def groupings(expr: str) -> list[tuple[str, tuple[str, ...]]]:
     """Each label list of an expression's aggregations and vector matchings as (keyword, labels),
     in order: `by`, `without`, `on`, `ignoring`, `group_left` and `group_right` clauses."""
-    text = _blank(expr, r'"(?:[^"\\]|\\.)*"', keep_ends=True)
-    text = _blank(text, r"\{[^}]*\}", keep_ends=True)
+    text = _code(expr)
     found = []
     for match in re.finditer(r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", text):
         labels = tuple(label.strip() for label in match.group(2).split(",") if label.strip())
