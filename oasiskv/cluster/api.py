@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -269,16 +270,18 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
     choices = [(ids, one if j == 0 else dataclasses.replace(
                     one, seed=None if one.seed is None else stream_seed(one.seed, f"choice-{j}")))
                for ids, one in zip(prompts, prompt_params) for j in range(body.n)]
-    streams = [service.generate(request_id if len(choices) == 1 else f"{request_id}-{i}", ids, p, body.oasiskv_mode,
-                                body.oasiskv_budget_tokens) for i, (ids, p) in enumerate(choices)]
     prompt_tokens = sum(len(ids) for ids in prompts)
     # Every choice is pulled from now on, each as fast as it comes: a choice that waits for room
     # in a store gets it when a sibling ends (they waited for each other's first token, and a
     # request whose choices fit the store only in turns waited out its timeout).
-    merged = _Merged(streams)
+    merged = _Merged(len(choices))
+    for i, (ids, p) in enumerate(choices):
+        merged.pull(i, service.generate(request_id if len(choices) == 1 else f"{request_id}-{i}", ids, p,
+                                        body.oasiskv_mode, body.oasiskv_budget_tokens,
+                                        on_accepted=functools.partial(merged.accepted, i)))
     try:
-        # Routing errors surface with every choice's first event, before any byte is sent; a long
-        # prefill comes first too, so a client that hangs up during it must end the request here.
+        # Routing errors surface before any byte is sent; a long prefill comes first too, so a
+        # client that hangs up during it must end the request here.
         await _unless_disconnected(request, merged.started())
     except ClientDisconnected:
         await merged.shut()
@@ -290,9 +293,9 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
         await merged.shut()
         raise
     formatters = [None if params.logprobs is None else LogprobFormatter(service.tokenizer, params.skip_special_tokens)
-                  for _ in streams]
+                  for _ in choices]
     if body.stream:
-        return _ChoicesStream(_sse(request_id, kind, body, prompt_tokens, merged, formatters),
+        return _ChoicesStream(_sse(service, request_id, kind, body, prompt_tokens, merged, formatters),
                               shut=merged.shut, media_type="text/event-stream",
                               headers={"Cache-Control": "no-cache"})
     try:
@@ -316,7 +319,8 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
 
 
 def _request_failed(service: ClusterService, exc: Exception) -> ApiError:
-    """The API's answer to a request that one of its choices failed before the response began."""
+    """The API's answer to a request one of whose choices failed: the response's status, or the
+    error event of a stream already begun."""
     if isinstance(exc, Overloaded):
         # Counted here, where it is refused: the OasisKVRequestsRejected alert and the outcome
         # panels read status="rejected", which nothing counted.
@@ -406,7 +410,7 @@ async def _unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def _sse(request_id: str, kind: str, body, prompt_tokens: int, merged: "_Merged",
+async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt_tokens: int, merged: "_Merged",
                formatters: list[LogprobFormatter | None]) -> AsyncIterator[bytes]:
     """The response's server-sent events; the response that sends them shuts the choices
     (`_ChoicesStream`), however it ends."""
@@ -452,12 +456,10 @@ async def _sse(request_id: str, kind: str, body, prompt_tokens: int, merged: "_M
         yield b"data: [DONE]\n\n"
     except asyncio.CancelledError:
         pass
-    except TimeoutError:
-        yield f"data: {json.dumps(error_body('the request timed out', 'timeout', 504))}\n\n".encode()
-        yield b"data: [DONE]\n\n"  # as vLLM: a client reading to [DONE] is not left waiting for it
     except Exception as exc:  # after the 200 header an error can only travel in the stream
-        yield f"data: {json.dumps(error_body(_failed(exc).message, 'service_unavailable', 503))}\n\n".encode()
-        yield b"data: [DONE]\n\n"
+        failure = _request_failed(service, exc)
+        yield f"data: {json.dumps(error_body(failure.message, failure.type, failure.status))}\n\n".encode()
+        yield b"data: [DONE]\n\n"  # as vLLM: a client reading to [DONE] is not left waiting for it
 
 
 class _ChoicesStream(StreamingResponse):
@@ -479,40 +481,55 @@ class _ChoicesStream(StreamingResponse):
 class _Merged:
     """The events of a request's choices, as (choice index, event) in the order they come, until
     every choice has finished; the first error of any choice is raised. Each choice is pulled
-    from the start, whoever reads (or not yet)."""
+    from the moment it is added (`pull`), whoever reads (or not yet)."""
 
-    def __init__(self, streams):
+    def __init__(self, choices: int):
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._left = len(streams)
-        self._not_started = set(range(len(streams)))
+        self.choices = self._left = choices
+        self._not_accepted = set(range(choices))
+        self._first_event_seen = False
         self._started = asyncio.get_running_loop().create_future()
         # Read here too: a non-streamed response never awaits it, and asyncio would log its error.
         self._started.add_done_callback(lambda done: done.cancelled() or done.exception())
-        if not streams:
+        if not choices:
             self._started.set_result(None)
-        self._streams = streams
-        self.choices = len(streams)
+        self._streams: list = []
+        self._pumps: list[asyncio.Task] = []
         self._shutting: asyncio.Task | None = None
-        self._pumps = [asyncio.ensure_future(self._pump(i, events)) for i, events in enumerate(streams)]
+
+    def pull(self, index: int, events) -> None:
+        """Start pulling choice `index`'s events."""
+        self._streams.append(events)
+        self._pumps.append(asyncio.ensure_future(self._pump(index, events)))
 
     async def started(self) -> None:
-        """Every choice has its first event (or has ended); raises the first error before that."""
+        """Every choice is accepted (past the router's refusals; a choice's first event or end
+        counts too) and some choice has its first event, or every choice has ended; raises the
+        first error before that. The response's status is known then: a choice that waits for
+        room in a store no longer holds back its siblings' first bytes, as vLLM streams each
+        choice as it comes; an error of a choice after this travels in the stream."""
         await asyncio.shield(self._started)
 
-    def _first_seen(self, index: int, error: Exception | None = None) -> None:
-        if self._started.done() or index not in self._not_started:
-            return
-        if error is not None:
+    def accepted(self, index: int) -> None:
+        self._not_accepted.discard(index)
+        self._settle()
+
+    def _first_event(self, index: int) -> None:
+        self._first_event_seen = True
+        self.accepted(index)
+
+    def _failed(self, error: Exception) -> None:
+        if not self._started.done():
             self._started.set_exception(error)
-            return
-        self._not_started.discard(index)
-        if not self._not_started:
+
+    def _settle(self) -> None:
+        if not self._started.done() and not self._not_accepted and self._first_event_seen:
             self._started.set_result(None)
 
     async def _pump(self, index: int, events) -> None:
         try:
             async for event in events:
-                self._first_seen(index)
+                self._first_event(index)
                 await self._queue.put((index, event, None))
                 if event.finished:
                     break
@@ -520,10 +537,10 @@ class _Merged:
             # slowest of its siblings ends.
             await events.aclose()
         except Exception as exc:
-            self._first_seen(index, exc)
+            self._failed(exc)
             await self._queue.put((index, None, exc))
             return
-        self._first_seen(index)
+        self._first_event(index)  # an end counts as a first event (a stream of none)
         await self._queue.put((index, None, None))
 
     def __aiter__(self):

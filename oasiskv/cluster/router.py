@@ -71,7 +71,9 @@ class Router:
 
         self.queued = 0  # requests admitted while every pool was full (they wait in a decode queue)
 
-    def assign(self, request_id: str, prompt_tokens: int, rows: int, store_bytes: int) -> Assignment:
+    def check_servable(self, rows: int, store_bytes: int) -> None:
+        """Raises what would refuse the request however long it waited: no healthy worker for a
+        role (Overloaded, 503), or a request larger than any decode pool or store (TooLarge)."""
         healthy_decode = [w for w in self.decode if w.healthy]
         if not healthy_decode or not any(w.healthy for w in self.prefill) or not any(s.healthy for s in self.stores):
             raise Overloaded("no healthy worker for some role", retry_after_s=5, status=503)
@@ -81,6 +83,10 @@ class Router:
             )
         if store_bytes > max(s.capacity for s in self.stores):
             raise TooLarge(f"the request needs {store_bytes} bytes of KV store; the largest store holds {max(s.capacity for s in self.stores)}")
+
+    def assign(self, request_id: str, prompt_tokens: int, rows: int, store_bytes: int) -> Assignment:
+        self.check_servable(rows, store_bytes)
+        healthy_decode = [w for w in self.decode if w.healthy]
         # A worker whose engine runs max_num_seqs requests already makes a new one wait as a full
         # pool does: it counts as queued, so the queue limit and gauge see it.
         fitting = [w for w in healthy_decode if w.load + rows <= w.capacity and (not w.seats or w.active < w.seats)]

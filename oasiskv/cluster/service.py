@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from dataclasses import asdict, dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from ..decode_node.working_set import plan_rows
 from ..models.engine.stopping import OutputText, finish_reason, visible_text
@@ -185,21 +185,29 @@ class ClusterService:
         """Requests waiting for a decode pool or for room in a store."""
         return self.router.queued + len(self._store_waiters)
 
-    async def _assign(self, request_id: str, prompt_tokens: int, rows: int, store_bytes: int, deadline: "_Deadline"):
+    async def _assign(self, request_id: str, prompt_tokens: int, rows: int, store_bytes: int, deadline: "_Deadline",
+                      on_accepted: Callable[[], None] = lambda: None):
         """The router's assignment; a request that finds every store full waits for room (the
         stores free a request's KV when it ends), first come first served, within the queue's
         limit and the request's timeout, as one that finds every decode pool full waits in a
         decode queue. Before, it was refused (503) at once: a burst of long prompts, each a
-        large share of a store, was refused while the decode queue had room."""
+        large share of a store, was refused while the decode queue had room. `on_accepted` is
+        called once the request is assigned or waits for room, past every refusal but a timeout
+        (or a role that loses its last healthy worker meanwhile)."""
         if not self._store_waiters:
             try:
-                return self.router.assign(request_id, prompt_tokens, rows, store_bytes)
+                assignment = self.router.assign(request_id, prompt_tokens, rows, store_bytes)
+                on_accepted()
+                return assignment
             except StoresFull:
                 pass
+        # Refused now rather than after a wait that could never end in room.
+        self.router.check_servable(rows, store_bytes)
         if self.queued >= self.config.max_queued_requests:
             raise Overloaded("every KV store is full and the queue is at its limit", retry_after_s=2, status=503)
         ticket = object()
         self._store_waiters.append(ticket)
+        on_accepted()
         try:
             while True:
                 if self._store_waiters[0] is ticket:
@@ -233,8 +241,11 @@ class ClusterService:
         return (prompt_tokens + max_tokens + self.config.decode.block_size) * self.kv_bytes_per_token
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       mode: str | None = None, budget_tokens: int | None = None) -> AsyncIterator[Event]:
-        """Raises Overloaded / TooLarge before anything is started; then yields Events."""
+                       mode: str | None = None, budget_tokens: int | None = None,
+                       on_accepted: Callable[[], None] = lambda: None) -> AsyncIterator[Event]:
+        """Raises Overloaded / TooLarge before anything is started; then yields Events.
+        `on_accepted` is called when the request is past those refusals, which may be long before
+        its first event: it may wait for room in a store."""
         c = self.config.decode
         rows = self.rows_needed(len(prompt_ids), params.max_tokens, mode, budget_tokens)
         store_bytes = self.store_bytes_needed(len(prompt_ids), params.max_tokens)
@@ -244,7 +255,7 @@ class ClusterService:
         started = time.perf_counter()  # TTFT and E2E count a wait for room in a store, as a client sees it
         m = self.metrics
         try:
-            assignment = await self._assign(request_id, len(prompt_ids), rows, store_bytes, deadline)
+            assignment = await self._assign(request_id, len(prompt_ids), rows, store_bytes, deadline, on_accepted)
         except TimeoutError:  # waited for store room until the deadline: an error, as a later timeout is
             m.requests.labels(status="error").inc()
             raise

@@ -631,6 +631,17 @@ def test_requests_that_find_the_store_full_wait_for_room(server, client, smollm2
     one = client.completions.create(model=DEFAULT_MODEL, prompt=prompts[0], max_tokens=max_tokens, temperature=0,
                                     n=3, timeout=60, extra_body={"oasiskv_mode": "dense", "stop_token_ids": [stops[0]]})
     assert [(c.text, c.finish_reason) for c in one.choices] == [(expected[0].text, "stop")] * 3
+    # Streamed, the first byte comes while the third still waits for room: it came only once every
+    # choice had its first token, so a choice waiting for a sibling's room held back the others.
+    waiting_at_first_chunk, texts = None, ["", "", ""]
+    for chunk in client.completions.create(model=DEFAULT_MODEL, prompt=prompts[0], max_tokens=max_tokens,
+                                           temperature=0, n=3, stream=True, timeout=60,
+                                           extra_body={"oasiskv_mode": "dense", "stop_token_ids": [stops[0]]}):
+        if waiting_at_first_chunk is None:
+            waiting_at_first_chunk = len(service._store_waiters)
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert waiting_at_first_chunk == 1 and texts == [expected[0].text] * 3
     assert service.queued == 0 and service.router.stores[0].load == 0
     assert _store_requests(server) == 0
 

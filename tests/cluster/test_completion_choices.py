@@ -28,6 +28,15 @@ def test_prompts_times_n_over_the_cap_is_refused_naming_both():
         CompletionRequest(prompt=["x"] * 17, n=4).check_supported()
 
 
+def _merged(streams) -> _Merged:
+    """The choices' events, each choice accepted with its first event (these streams do not say so
+    earlier)."""
+    merged = _Merged(len(streams))
+    for index, events in enumerate(streams):
+        merged.pull(index, events)
+    return merged
+
+
 async def _events(pieces, fail_after=None):
     for i, piece in enumerate(pieces):
         if fail_after is not None and i == fail_after:
@@ -46,7 +55,7 @@ def _stream(texts, reason="length", stop=None):
 def _gather(choices, fail=None):
     async def run():
         streams = [_events(events, fail_after=fail if i == 1 else None) for i, events in enumerate(choices)]
-        merged = _Merged(streams)
+        merged = _merged(streams)
         try:
             await merged.started()
             return await _collect(merged)
@@ -95,7 +104,7 @@ def test_choices_that_fit_only_in_turns_are_served_not_deadlocked():
     async def run():
         seat = _Seat()
         streams = [seat.stream(i, 3) for i in range(3)]
-        merged = _Merged(streams)
+        merged = _merged(streams)
         try:
             await asyncio.wait_for(merged.started(), 5)
             return await asyncio.wait_for(_collect(merged), 5)
@@ -109,7 +118,7 @@ def test_a_finished_choice_is_closed_while_its_sibling_still_runs():
     async def run():
         quick, slow = _Seat(), _Seat()
         streams = [quick.stream(0, 1), slow.stream(1, 50, between=0.02)]
-        merged = _Merged(streams)
+        merged = _merged(streams)
         try:
             await merged.started()
             async for index, event in merged:
@@ -126,7 +135,7 @@ def test_a_hang_up_frees_every_choice_even_as_its_task_is_cancelled_again_and_ag
     async def run():
         quick, slow = _Seat(), _Seat()
         streams = [quick.stream(0, 1), slow.stream(1, 1000, between=0.01)]
-        merged = _Merged(streams)
+        merged = _merged(streams)
         await merged.started()
         await anext(merged)
         cleanup = asyncio.ensure_future(merged.shut())
@@ -147,7 +156,7 @@ def test_a_stream_whose_client_left_before_its_body_began_shuts_its_choices():
     async def run():
         seat = _Seat()
         streams = [seat.stream(0, 1000, between=0.01)]
-        merged = _Merged(streams)
+        merged = _merged(streams)
         await merged.started()
 
         async def body():
@@ -193,7 +202,7 @@ def test_a_second_shut_waits_for_the_first_instead_of_cutting_the_aborts_short()
     async def run():
         log = []
         streams = [_aborting_stream(i, log) for i in range(3)]
-        merged = _Merged(streams)
+        merged = _merged(streams)
         await merged.started()
         first = asyncio.ensure_future(merged.shut())
         await asyncio.sleep(0.01)  # the requests are in their aborts now
@@ -214,7 +223,7 @@ class _Service:
         self.tokenizer = SimpleNamespace(vocab_size=1000, encode=lambda text: [1, 2, 3])
         self.max_model_len = 4096
 
-    def generate(self, request_id, prompt_ids, params, mode=None, budget_tokens=None):
+    def generate(self, request_id, prompt_ids, params, mode=None, budget_tokens=None, on_accepted=None):
         return _aborting_stream(int(request_id.rsplit("-", 1)[1]), self.log, tokens=params.max_tokens)
 
 
@@ -252,3 +261,100 @@ def test_a_request_cancelled_before_its_choices_began_ends_them():
         await asyncio.sleep(0.3)
         return sorted(entry for entry in log if entry[1] != "began")
     assert asyncio.run(run()) == [(0, "released"), (1, "released"), (2, "released")]
+
+
+async def _waiting_for_the_seat(seat: "_Seat", index: int, tokens: int, accepted, between=0.0):
+    """A choice accepted at once that then waits for the seat, as a request waiting for room in a
+    store is accepted when it begins to wait."""
+    accepted()
+    async for event in seat.stream(index, tokens, between):
+        yield event
+
+
+def test_a_choice_that_waits_for_room_does_not_hold_back_its_siblings_first_bytes():
+    """The response began once every choice had its first token: a choice waiting for a sibling's
+    room held the stream's first byte until that sibling had finished (vLLM streams each choice
+    as it comes)."""
+    async def run():
+        seat = _Seat()
+        merged = _Merged(2)
+        merged.pull(0, seat.stream(0, 1000, between=0.01))
+        merged.pull(1, _waiting_for_the_seat(seat, 1, 2, lambda: merged.accepted(1)))
+        try:
+            await asyncio.wait_for(merged.started(), 2)
+            first = await anext(merged)
+            return first[0], first[1].num_tokens, list(seat.closed)
+        finally:
+            await merged.shut()
+    assert asyncio.run(run()) == (0, 1, [])
+
+
+def test_a_choice_not_yet_accepted_holds_back_the_status_and_its_refusal_is_the_response_s():
+    """A sibling's refusal by the router (429, 503, 400) must still be the response's status,
+    not an error inside a stream that began with 200."""
+    from oasiskv.cluster.router import Overloaded
+
+    async def refused():
+        await asyncio.sleep(0.05)
+        raise Overloaded("every decode KV pool is full and the queue is at its limit", retry_after_s=2)
+        yield  # an async generator
+
+    async def run():
+        seat = _Seat()
+        merged = _Merged(2)
+        merged.pull(0, seat.stream(0, 1000, between=0.01))
+        merged.pull(1, refused())
+        try:
+            await asyncio.wait_for(merged.started(), 2)
+        finally:
+            await merged.shut()
+    with pytest.raises(Overloaded, match="queue is at its limit"):
+        asyncio.run(run())
+
+
+class _LateFailure:
+    """A stand-in service whose choice 0 streams, and whose choice 1 is accepted at once, then fails
+    with `error` while choice 0 is streaming."""
+
+    def __init__(self, error: Exception):
+        from types import SimpleNamespace
+
+        self.error = error
+        self.config = SimpleNamespace(model_name="m", model="m", api_key=None, prefill_engine="none",
+                                      decode=SimpleNamespace(block_size=16))
+        self.tokenizer = SimpleNamespace(vocab_size=1000, encode=lambda text: [1, 2, 3])
+        self.max_model_len = 4096
+        self.metrics = None
+
+    async def generate(self, request_id, prompt_ids, params, mode=None, budget_tokens=None, on_accepted=None):
+        on_accepted()
+        if request_id.endswith("-1"):
+            await asyncio.sleep(0.1)
+            raise self.error
+        for i in range(20):
+            await asyncio.sleep(0.01)
+            yield Event("x", i + 1, i == 19, "length" if i == 19 else None)
+
+
+@pytest.mark.parametrize("error, status, kind", [
+    (TimeoutError("every KV store stayed full until the request timed out"), 504, "timeout"),
+    (RuntimeError("ActorDiedError"), 503, "service_unavailable"),
+])
+def test_a_choice_that_fails_after_the_stream_began_sends_the_error_it_would_have_had(error, status, kind):
+    import json
+
+    import httpx
+
+    from oasiskv.cluster.api import create_app
+
+    async def run():
+        app = create_app(_LateFailure(error))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://api") as client:
+            response = await client.post("/v1/completions", json={"prompt": "hi", "n": 2, "stream": True,
+                                                                  "max_tokens": 20})
+        return response.status_code, [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    code, events = asyncio.run(run())
+    assert code == 200 and events[-1] == "[DONE]"
+    assert any(json.loads(e)["choices"][0]["index"] == 0 for e in events[:-2])
+    assert json.loads(events[-2])["error"]["code"] == status
+    assert json.loads(events[-2])["error"]["type"] == kind

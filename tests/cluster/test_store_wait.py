@@ -132,6 +132,46 @@ def test_a_request_larger_than_any_store_is_refused_at_once():
     asyncio.run(run())
 
 
+def test_a_request_larger_than_any_store_is_refused_at_once_even_behind_waiters():
+    """Behind a waiting request it joined the wait without asking the router, and was refused
+    only at the head of the line, once the requests before it had room."""
+    async def run():
+        service = make_service()
+        await assign(service, "a", 900)
+        waiting = assign(service, "b", 200)
+        await settle()
+        with pytest.raises(ValueError, match="KV store"):
+            await asyncio.wait_for(assign(service, "huge", 5000), 1)
+        assert service.queued == 1
+        waiting.cancel()
+
+    asyncio.run(run())
+
+
+def test_a_request_is_accepted_when_it_is_assigned_or_when_it_begins_to_wait():
+    """The API starts a response once every choice is accepted: a choice waiting for room in a
+    store must not hold back its siblings' first bytes, and a refused one must not be accepted."""
+    async def run():
+        service = make_service()
+        accepted = []
+
+        def assign_noting(request_id, store_bytes):
+            return asyncio.ensure_future(service._assign(request_id, 1, 1, store_bytes, _Deadline(30.0),
+                                                         lambda: accepted.append(request_id)))
+
+        first = await assign_noting("a", 900)
+        waiting = assign_noting("b", 200)
+        await settle()
+        assert accepted == ["a", "b"] and not waiting.done()
+        with pytest.raises(ValueError, match="KV store"):
+            await assign_noting("huge", 5000)
+        service._release(first)
+        await asyncio.wait_for(waiting, 5)
+        assert accepted == ["a", "b"]  # once each
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("prompt_tokens, max_tokens", [(7, 1008), (1000, 1049), (1, 1), (16, 16), (4000, 81)])
 def test_a_reservation_covers_what_the_store_takes_for_the_whole_request(smollm2_dir, dtype, prompt_tokens, max_tokens):
