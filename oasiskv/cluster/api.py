@@ -9,7 +9,7 @@ import functools
 import json
 import logging
 import secrets
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -274,14 +274,13 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
     # Every choice is pulled from now on, each as fast as it comes: a choice that waits for room
     # in a store gets it when a sibling ends (they waited for each other's first token, and a
     # request whose choices fit the store only in turns waited out its timeout).
-    merged = _Merged(len(choices))
-    for i, (ids, p) in enumerate(choices):
-        merged.pull(i, service.generate(request_id if len(choices) == 1 else f"{request_id}-{i}", ids, p,
-                                        body.oasiskv_mode, body.oasiskv_budget_tokens,
-                                        on_accepted=functools.partial(merged.accepted, i)))
+    merged = _Merged([functools.partial(service.generate, request_id if len(choices) == 1 else f"{request_id}-{i}",
+                                        ids, p, body.oasiskv_mode, body.oasiskv_budget_tokens)
+                      for i, (ids, p) in enumerate(choices)])
     try:
-        # Routing errors surface before any byte is sent; a long prefill comes first too, so a
-        # client that hangs up during it must end the request here.
+        # The router's refusals of any choice, and any error before the first token, are the
+        # response's status; a long prefill comes first too, so a client that hangs up during it
+        # must end the request here.
         await _unless_disconnected(request, merged.started())
     except ClientDisconnected:
         await merged.shut()
@@ -481,50 +480,41 @@ class _ChoicesStream(StreamingResponse):
 class _Merged:
     """The events of a request's choices, as (choice index, event) in the order they come, until
     every choice has finished; the first error of any choice is raised. Each choice is pulled
-    from the moment it is added (`pull`), whoever reads (or not yet)."""
+    from the start, whoever reads (or not yet). `starts` make the choices' event streams, each
+    given the callback that says its choice is accepted (`ClusterService.generate`'s
+    `on_accepted`)."""
 
-    def __init__(self, choices: int):
+    def __init__(self, starts: list[Callable[..., AsyncIterator]]):
         self._queue: asyncio.Queue = asyncio.Queue()
-        self.choices = self._left = choices
-        self._not_accepted = set(range(choices))
+        self.choices = self._left = len(starts)
+        self._not_accepted = set(range(self.choices))
         self._first_event_seen = False
         self._started = asyncio.get_running_loop().create_future()
         # Read here too: a non-streamed response never awaits it, and asyncio would log its error.
         self._started.add_done_callback(lambda done: done.cancelled() or done.exception())
-        if not choices:
+        if not starts:
             self._started.set_result(None)
-        self._streams: list = []
-        self._pumps: list[asyncio.Task] = []
         self._shutting: asyncio.Task | None = None
-
-    def pull(self, index: int, events) -> None:
-        """Start pulling choice `index`'s events."""
-        self._streams.append(events)
-        self._pumps.append(asyncio.ensure_future(self._pump(index, events)))
+        self._streams = [start(on_accepted=functools.partial(self.accepted, i)) for i, start in enumerate(starts)]
+        self._pumps = [asyncio.ensure_future(self._pump(i, events)) for i, events in enumerate(self._streams)]
 
     async def started(self) -> None:
         """Every choice is accepted (past the router's refusals; a choice's first event or end
         counts too) and some choice has its first event, or every choice has ended; raises the
         first error before that. The response's status is known then: a choice that waits for
-        room in a store no longer holds back its siblings' first bytes, as vLLM streams each
-        choice as it comes; an error of a choice after this travels in the stream."""
+        room in a store does not hold back its siblings' first bytes (vLLM streams each choice as
+        it comes), and an error of a choice after this travels in the stream."""
         await asyncio.shield(self._started)
 
     def accepted(self, index: int) -> None:
         self._not_accepted.discard(index)
-        self._settle()
-
-    def _first_event(self, index: int) -> None:
-        self._first_event_seen = True
-        self.accepted(index)
-
-    def _failed(self, error: Exception) -> None:
-        if not self._started.done():
-            self._started.set_exception(error)
-
-    def _settle(self) -> None:
         if not self._started.done() and not self._not_accepted and self._first_event_seen:
             self._started.set_result(None)
+
+    def _first_event(self, index: int) -> None:
+        if index in self._not_accepted or not self._first_event_seen:
+            self._first_event_seen = True
+            self.accepted(index)
 
     async def _pump(self, index: int, events) -> None:
         try:
@@ -537,7 +527,8 @@ class _Merged:
             # slowest of its siblings ends.
             await events.aclose()
         except Exception as exc:
-            self._failed(exc)
+            if not self._started.done():
+                self._started.set_exception(exc)
             await self._queue.put((index, None, exc))
             return
         self._first_event(index)  # an end counts as a first event (a stream of none)

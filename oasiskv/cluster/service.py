@@ -192,23 +192,29 @@ class ClusterService:
         limit and the request's timeout, as one that finds every decode pool full waits in a
         decode queue. Before, it was refused (503) at once: a burst of long prompts, each a
         large share of a store, was refused while the decode queue had room. `on_accepted` is
-        called once the request is assigned or waits for room, past every refusal but a timeout
-        (or a role that loses its last healthy worker meanwhile)."""
+        called once the request is assigned or begins to wait for room: past the refusals a
+        request meets on arrival. A waiting one may still time out, be cancelled, meet a server
+        that stops, or be refused when the workers it needs fail meanwhile."""
         if not self._store_waiters:
             try:
                 assignment = self.router.assign(request_id, prompt_tokens, rows, store_bytes)
-                on_accepted()
-                return assignment
             except StoresFull:
                 pass
+            else:
+                try:
+                    on_accepted()
+                except BaseException:
+                    self._release(assignment)
+                    raise
+                return assignment
         # Refused now rather than after a wait that could never end in room.
         self.router.check_servable(rows, store_bytes)
         if self.queued >= self.config.max_queued_requests:
             raise Overloaded("every KV store is full and the queue is at its limit", retry_after_s=2, status=503)
         ticket = object()
         self._store_waiters.append(ticket)
-        on_accepted()
         try:
+            on_accepted()
             while True:
                 if self._store_waiters[0] is ticket:
                     try:

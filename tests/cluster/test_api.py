@@ -633,15 +633,20 @@ def test_requests_that_find_the_store_full_wait_for_room(server, client, smollm2
     assert [(c.text, c.finish_reason) for c in one.choices] == [(expected[0].text, "stop")] * 3
     # Streamed, the first byte comes while the third still waits for room: it came only once every
     # choice had its first token, so a choice waiting for a sibling's room held back the others.
+    # They end at a token first generated 30 or more tokens in, so the first two are still
+    # decoding when the first chunk is read.
+    greedy = smollm2_llm.generate([prompts[0]], SamplingParams(max_tokens=64))[0].token_ids
+    late_stop = next(t for i, t in enumerate(greedy) if i >= 30 and t not in greedy[:i])
+    late = smollm2_llm.generate([prompts[0]], SamplingParams(max_tokens=64, stop_token_ids=[late_stop]))[0]
     waiting_at_first_chunk, texts = None, ["", "", ""]
     for chunk in client.completions.create(model=DEFAULT_MODEL, prompt=prompts[0], max_tokens=max_tokens,
                                            temperature=0, n=3, stream=True, timeout=60,
-                                           extra_body={"oasiskv_mode": "dense", "stop_token_ids": [stops[0]]}):
+                                           extra_body={"oasiskv_mode": "dense", "stop_token_ids": [late_stop]}):
         if waiting_at_first_chunk is None:
             waiting_at_first_chunk = len(service._store_waiters)
         for choice in chunk.choices:
             texts[choice.index] += choice.text
-    assert waiting_at_first_chunk == 1 and texts == [expected[0].text] * 3
+    assert waiting_at_first_chunk == 1 and texts == [late.text] * 3
     assert service.queued == 0 and service.router.stores[0].load == 0
     assert _store_requests(server) == 0
 

@@ -31,10 +31,7 @@ def test_prompts_times_n_over_the_cap_is_refused_naming_both():
 def _merged(streams) -> _Merged:
     """The choices' events, each choice accepted with its first event (these streams do not say so
     earlier)."""
-    merged = _Merged(len(streams))
-    for index, events in enumerate(streams):
-        merged.pull(index, events)
-    return merged
+    return _Merged([lambda on_accepted, events=events: events for events in streams])
 
 
 async def _events(pieces, fail_after=None):
@@ -277,9 +274,8 @@ def test_a_choice_that_waits_for_room_does_not_hold_back_its_siblings_first_byte
     as it comes)."""
     async def run():
         seat = _Seat()
-        merged = _Merged(2)
-        merged.pull(0, seat.stream(0, 1000, between=0.01))
-        merged.pull(1, _waiting_for_the_seat(seat, 1, 2, lambda: merged.accepted(1)))
+        merged = _Merged([lambda on_accepted: seat.stream(0, 1000, between=0.01),
+                          lambda on_accepted: _waiting_for_the_seat(seat, 1, 2, on_accepted)])
         try:
             await asyncio.wait_for(merged.started(), 2)
             first = await anext(merged)
@@ -301,9 +297,8 @@ def test_a_choice_not_yet_accepted_holds_back_the_status_and_its_refusal_is_the_
 
     async def run():
         seat = _Seat()
-        merged = _Merged(2)
-        merged.pull(0, seat.stream(0, 1000, between=0.01))
-        merged.pull(1, refused())
+        merged = _Merged([lambda on_accepted: seat.stream(0, 1000, between=0.01),
+                          lambda on_accepted: refused()])
         try:
             await asyncio.wait_for(merged.started(), 2)
         finally:
@@ -313,22 +308,24 @@ def test_a_choice_not_yet_accepted_holds_back_the_status_and_its_refusal_is_the_
 
 
 class _LateFailure:
-    """A stand-in service whose choice 0 streams, and whose choice 1 is accepted at once, then fails
-    with `error` while choice 0 is streaming."""
+    """A stand-in service whose choice 0 streams, and whose other choice (or only choice, with n=1)
+    is accepted at once, then fails with `error` before its first event, while choice 0 streams."""
 
     def __init__(self, error: Exception):
         from types import SimpleNamespace
+
+        from oasiskv.cluster.metrics import ServingMetrics
 
         self.error = error
         self.config = SimpleNamespace(model_name="m", model="m", api_key=None, prefill_engine="none",
                                       decode=SimpleNamespace(block_size=16))
         self.tokenizer = SimpleNamespace(vocab_size=1000, encode=lambda text: [1, 2, 3])
         self.max_model_len = 4096
-        self.metrics = None
+        self.metrics = ServingMetrics()
 
     async def generate(self, request_id, prompt_ids, params, mode=None, budget_tokens=None, on_accepted=None):
         on_accepted()
-        if request_id.endswith("-1"):
+        if not request_id.endswith("-0"):
             await asyncio.sleep(0.1)
             raise self.error
         for i in range(20):
@@ -336,25 +333,53 @@ class _LateFailure:
             yield Event("x", i + 1, i == 19, "length" if i == 19 else None)
 
 
-@pytest.mark.parametrize("error, status, kind", [
-    (TimeoutError("every KV store stayed full until the request timed out"), 504, "timeout"),
-    (RuntimeError("ActorDiedError"), 503, "service_unavailable"),
-])
-def test_a_choice_that_fails_after_the_stream_began_sends_the_error_it_would_have_had(error, status, kind):
-    import json
-
+def _post_stream(service, n: int):
     import httpx
 
     from oasiskv.cluster.api import create_app
 
     async def run():
-        app = create_app(_LateFailure(error))
+        app = create_app(service)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://api") as client:
-            response = await client.post("/v1/completions", json={"prompt": "hi", "n": 2, "stream": True,
-                                                                  "max_tokens": 20})
-        return response.status_code, [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
-    code, events = asyncio.run(run())
-    assert code == 200 and events[-1] == "[DONE]"
+            return await client.post("/v1/completions", json={"prompt": "hi", "n": n, "stream": True, "max_tokens": 20})
+    return asyncio.run(run())
+
+
+def _late_errors():
+    from oasiskv.cluster.router import Overloaded, TooLarge
+
+    return [
+        (TimeoutError("every KV store stayed full until the request timed out"), 504, "timeout", 0),
+        (RuntimeError("ActorDiedError"), 503, "service_unavailable", 0),
+        (Overloaded("every decode KV pool is full and the queue is at its limit", retry_after_s=2), 429,
+         "server_overloaded", 1),
+        (Overloaded("no healthy worker for some role", retry_after_s=5, status=503), 503, "service_unavailable", 1),
+        (TooLarge("the request needs 9 rows of a decode KV pool; the largest pool has 8"), 400,
+         "invalid_request_error", 0),
+    ]
+
+
+@pytest.mark.parametrize("error, status, kind, rejected", _late_errors())
+def test_a_choice_that_fails_after_the_stream_began_sends_the_error_it_would_have_had(error, status, kind, rejected):
+    """Each error as the status it would have been before the response began (it was 503 for all
+    but a timeout), and a refusal counted once as rejected."""
+    import json
+
+    service = _LateFailure(error)
+    response = _post_stream(service, n=2)
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert response.status_code == 200 and events[-1] == "[DONE]"
     assert any(json.loads(e)["choices"][0]["index"] == 0 for e in events[:-2])
-    assert json.loads(events[-2])["error"]["code"] == status
-    assert json.loads(events[-2])["error"]["type"] == kind
+    failure = json.loads(events[-2])["error"]
+    assert (failure["code"], failure["type"]) == (status, kind)
+    assert service.metrics.registry.get_sample_value("oasiskv_requests_total", {"status": "rejected"}) == (
+        rejected or None)
+
+
+@pytest.mark.parametrize("error, status, kind, rejected", _late_errors())
+def test_one_choice_that_fails_before_its_first_token_is_the_response_s_status(error, status, kind, rejected):
+    """n = 1 waits for the first token before the 200, as it always did: a request accepted and
+    then lost in its prefill is an HTTP error, not a 200 with an error inside."""
+    service = _LateFailure(error)
+    response = _post_stream(service, n=1)
+    assert (response.status_code, response.json()["error"]["type"]) == (status, kind)

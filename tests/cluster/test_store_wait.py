@@ -172,6 +172,27 @@ def test_a_request_is_accepted_when_it_is_assigned_or_when_it_begins_to_wait():
     asyncio.run(run())
 
 
+def test_an_acceptance_callback_that_raises_leaves_nothing_held():
+    """Raised from the wait's path, it left the request's ticket at the head of the line, and every
+    later request waited behind it until its timeout; from the fast path, its store memory."""
+    def refuse():
+        raise RuntimeError("the response is gone")
+
+    async def run():
+        service = make_service()
+        with pytest.raises(RuntimeError, match="gone"):
+            await service._assign("fast", 1, 1, 900, _Deadline(30.0), refuse)
+        assert service.router.stores[0].load == 0
+        first = await assign(service, "a", 900)
+        with pytest.raises(RuntimeError, match="gone"):
+            await service._assign("waiting", 1, 1, 200, _Deadline(30.0), refuse)
+        assert service._store_waiters == []
+        service._release(first)
+        assert (await asyncio.wait_for(assign(service, "b", 200), 5)).request_id == "b"
+
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("prompt_tokens, max_tokens", [(7, 1008), (1000, 1049), (1, 1), (16, 16), (4000, 81)])
 def test_a_reservation_covers_what_the_store_takes_for_the_whole_request(smollm2_dir, dtype, prompt_tokens, max_tokens):
