@@ -42,7 +42,10 @@ def _entry(module_name: str, command: str, kind: str):
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    from .. import __version__
+
     parser = argparse.ArgumentParser(prog="oasiskv", description="OasisKV serving cluster")
+    parser.add_argument("--version", action="version", version=f"oasiskv {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module_name, help_text) in _COMMANDS.items():

@@ -36,6 +36,7 @@ class ServeConfig(BaseModel):
     )
     device: Literal["cpu", "cuda"] = Field(
         default_factory=lambda: os.environ.get("OASISKV_DEVICE") or "cpu",
+        validate_default=True,  # $OASISKV_DEVICE is checked as a value given would be ('cuda:0' passed)
         description="where prefill and decode workers run the model and keep the decode KV pool; 'cuda' asks Ray for "
         "gpus_per_worker GPU(s) per prefill and decode worker (stores stay in host memory)",
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -153,8 +154,10 @@ def check_local_gpus(config: ServeConfig) -> None:
 
 
 def check_cluster_answers(address: str | None, timeout_s: float = 10.0) -> None:
-    """A Ray head at HOST:PORT must accept a connection: ray.init waits for one that does not
-    answer without end, logging a retry every 30 s. 'auto' and ray:// addresses are Ray's."""
+    """A Ray head at HOST:PORT must accept a connection and speak gRPC, as its GCS does: ray.init
+    waits without end for one that does not answer, or that answers in another protocol (a
+    dashboard's or any web server's port), logging a retry every 30 s. 'auto' and ray://
+    addresses are Ray's."""
     import socket
 
     if not address or address == "auto" or "://" in address:
@@ -163,10 +166,34 @@ def check_cluster_answers(address: str | None, timeout_s: float = 10.0) -> None:
     if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ClusterUnreachable(f"--address must be 'auto' or HOST:PORT of a Ray head, got {address!r}")
     try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s) as connection:
+            speaks_grpc = _answers_http2(connection, timeout_s)
     except OSError as error:
         raise ClusterUnreachable(f"no Ray cluster answers at {address} ({error}); start one with `ray start --head`, "
                                  "or leave --address out to start a local one") from None
+    if not speaks_grpc and not os.environ.get("RAY_USE_TLS"):  # a TLS handshake comes before HTTP/2
+        raise ClusterUnreachable(f"{address} answers, but not as a Ray head's GCS (gRPC) port; give the port `ray start "
+                                 "--head` printed (6379 by default), not the dashboard's or the Ray client's")
+
+
+def _answers_http2(connection, timeout_s: float) -> bool:
+    """Whether the peer answers an HTTP/2 connection preface with a SETTINGS frame, as every
+    gRPC server (Ray's GCS) does at once."""
+    import socket
+
+    connection.settimeout(timeout_s)
+    empty_settings = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # length 0, type SETTINGS, no flags, stream 0
+    connection.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + empty_settings)
+    header = b""
+    try:
+        while len(header) < 9:
+            more = connection.recv(9 - len(header))
+            if not more:
+                break
+            header += more
+    except socket.timeout:
+        return False
+    return len(header) == 9 and header[3] == 4
 
 
 def start_ray(config: ServeConfig) -> None:
@@ -176,7 +203,13 @@ def start_ray(config: ServeConfig) -> None:
         return
     if config.address:
         check_cluster_answers(config.address)
-        ray.init(address=config.address, include_dashboard=False, log_to_driver=False)
+        try:
+            ray.init(address=config.address, include_dashboard=False, log_to_driver=False)
+        except (ConnectionError, ValueError, RuntimeError) as error:
+            # 'auto' with no cluster running, or ray:// without Ray's client installed: Ray's own
+            # words, as a message rather than a traceback.
+            raise ClusterUnreachable(f"cannot join the Ray cluster at --address {config.address}: "
+                                     f"{str(error).strip().splitlines()[0]}") from None
     else:
         ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(2, config.prefill_workers + config.decode_workers))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
@@ -144,7 +145,10 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
     except ValidationError as error:
-        print(f"error: invalid configuration: {describe(error, args)}", file=sys.stderr)
+        message = describe(error, args)
+        if not args.device and os.environ.get("OASISKV_DEVICE"):  # the flag's default came from there
+            message = message.replace("--device:", "--device (from $OASISKV_DEVICE):")
+        print(f"error: invalid configuration: {message}", file=sys.stderr)
         return 2
     try:
         run_server(config)

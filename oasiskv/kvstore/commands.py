@@ -21,7 +21,8 @@ def add_arguments_kvstore(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     parser.add_argument("--no-hugepages", action="store_true", help="do not madvise huge pages for the arena")
     parser.add_argument("--no-prefault", action="store_true", help="do not touch the arena at start")
-    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="how much the store logs")
 
 
 def run_kvstore(args: argparse.Namespace) -> int:
@@ -30,7 +31,7 @@ def run_kvstore(args: argparse.Namespace) -> int:
     from .errors import KVStoreError
     from .server import KVStoreServer
 
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.WARNING))
+    logging.basicConfig(level=getattr(logging, args.log_level))
     try:
         config = KVStoreConfig(
             host=args.host, port=args.port, advertise_host=args.advertise_host,
@@ -45,8 +46,9 @@ def run_kvstore(args: argparse.Namespace) -> int:
         server = KVStoreServer(config)
         address = server.start()
     except (OSError, KVStoreError, MemoryError) as exc:
-        print(f"oasiskv kvstore: cannot start a {config.capacity_bytes / 2**30:g} GB store on {config.host}:{config.port}"
-              f"{f' (metrics on {config.metrics_port})' if config.metrics_port is not None else ''}: {exc}", file=sys.stderr)
+        print(f"oasiskv kvstore: cannot start a {config.capacity_bytes / 2**30:g} GiB store on {config.host}:{config.port}"
+              f"{f' (metrics on {config.metrics_port})' if config.metrics_port is not None else ''}: {_port_named(exc, config)}",
+              file=sys.stderr)
         return 1
 
     def stop(signum: int, _frame: object) -> None:
@@ -62,3 +64,23 @@ def run_kvstore(args: argparse.Namespace) -> int:
     )
     server.serve_forever()
     return 0
+
+
+def _port_named(error: BaseException, config) -> str:
+    """An address-in-use error with the port it was about: the store's and its metrics' ports
+    both bind at start, and the message did not say which was taken."""
+    import errno
+    import socket
+
+    if not (isinstance(error, OSError) and error.errno == errno.EADDRINUSE):
+        return str(error)
+    for flag, port in (("--port", config.port), ("--metrics-port", config.metrics_port)):
+        if not port:
+            continue
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((config.host, port))
+            except OSError:
+                return f"{flag} {port} is in use ({error.strerror})"
+    return str(error)

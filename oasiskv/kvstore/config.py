@@ -8,6 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 GIB = 1 << 30
 MAX_CAPACITY_GB = 1 << 26
+# Every block's chunk in the arena is padded to this (layout.KVLayout.chunk_bytes), and an arena
+# holds whole chunks.
+CHUNK_ALIGN = 4096
 
 
 class KVStoreConfig(BaseModel):
@@ -59,9 +62,15 @@ class KVStoreConfig(BaseModel):
     def _resolve_capacity(self) -> "KVStoreConfig":
         if self.capacity_gb is not None:
             resolved = int(self.capacity_gb * GIB)
-            if resolved <= 0:
-                raise ValueError("capacity_gb is too small")
+            # The arena holds whole 4 KiB chunks: a smaller one was refused only when the store
+            # started, as an error of starting it rather than of the setting.
+            if resolved < CHUNK_ALIGN:
+                raise ValueError(f"capacity_gb ({self.capacity_gb:g}) is under one {CHUNK_ALIGN}-byte chunk")
             # Bypass validate_assignment recursion: set through __dict__.
             self.__dict__["capacity_bytes"] = resolved
             self.__dict__["capacity_gb"] = None
+        elif self.capacity_bytes < CHUNK_ALIGN:
+            raise ValueError(f"capacity_bytes ({self.capacity_bytes}) is under one {CHUNK_ALIGN}-byte chunk")
+        if self.port and self.metrics_port == self.port:
+            raise ValueError(f"metrics_port ({self.port}) is the store's own port; the store and its /metrics need a port each")
         return self

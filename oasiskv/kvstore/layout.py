@@ -38,10 +38,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .config import CHUNK_ALIGN
 from .errors import BlockOutOfRange, InvalidArgument
 from .summary import DEFAULT_SUMMARY_KIND, check_summary_kind
 
-CHUNK_ALIGN = 4096
 SUMMARY_DTYPE = torch.float32
 
 _DTYPES = {

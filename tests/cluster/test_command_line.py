@@ -83,3 +83,11 @@ def test_generate_names_its_flag_for_a_bad_sampling_value():
     done = subprocess.run([sys.executable, "-m", "oasiskv.cluster.cli", "generate", "--prompt", "x", "--top-p", "2"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip() == "error: --top-p must be in (0, 1], got 2.0"
+
+
+def test_version_prints_the_package_s_version():
+    from oasiskv import __version__
+
+    done = subprocess.run([sys.executable, "-m", "oasiskv.cluster.cli", "--version"], capture_output=True, text=True,
+                          timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, f"oasiskv {__version__}")

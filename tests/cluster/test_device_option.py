@@ -51,6 +51,19 @@ def test_the_environment_sets_the_default_device(monkeypatch):
     assert _config("--device", "cpu").decode.device == "cpu"
 
 
+@pytest.mark.parametrize("value", ["cuda:0", "cpu:0", "gpu"])
+def test_a_device_from_the_environment_is_checked_as_a_given_one_is(monkeypatch, value):
+    """$OASISKV_DEVICE=cuda:0 passed: serve asked Ray for no GPU (so Ray hid them) and failed in a
+    worker; on a machine without one it started Ray first."""
+    monkeypatch.setenv("OASISKV_DEVICE", value)
+    with pytest.raises(ValidationError, match="'cpu' or 'cuda'"):
+        ServeConfig()
+    done = subprocess.run([sys.executable, "-m", "oasiskv.cluster.cli", "serve"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "OASISKV_DEVICE": value})
+    assert done.returncode == 2 and f"--device (from $OASISKV_DEVICE): Input should be 'cpu' or 'cuda' (got {value!r})" \
+        in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("share", ["0", "1.5", "-1"])
 def test_out_of_range_gpu_share_is_refused(share):
     with pytest.raises(ValidationError, match="gpus_per_worker"):

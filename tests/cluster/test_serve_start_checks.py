@@ -46,6 +46,41 @@ def test_an_address_where_no_ray_head_answers_fails_fast():
     assert done.returncode == 2 and "no Ray cluster answers" in done.stderr
 
 
+def test_an_address_that_answers_but_is_not_a_ray_head_fails_fast():
+    """A web server's port (a dashboard's, say) or a silent listener accepted the connection, and
+    ray.init then retried for good, logging every 30 s."""
+    import http.server
+    import threading
+
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        address = f"127.0.0.1:{web.server_address[1]}"
+        with pytest.raises(ClusterUnreachable, match=f"{address} answers, but not as a Ray head's GCS"):
+            check_cluster_answers(address, timeout_s=5)
+        done = _serve("--address", address, timeout=60)
+        assert done.returncode == 2 and "not as a Ray head's GCS (gRPC) port" in done.stderr, done.stderr[-2000:]
+    finally:
+        web.shutdown()
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        started = time.monotonic()
+        with pytest.raises(ClusterUnreachable, match="not as a Ray head's GCS"):
+            check_cluster_answers(f"127.0.0.1:{silent.getsockname()[1]}", timeout_s=1)
+        assert time.monotonic() - started < 5
+
+
+def test_a_ray_client_address_without_ray_client_is_a_message_not_a_traceback():
+    import importlib.util
+
+    if importlib.util.find_spec("grpc") is not None:  # ray[client]: without it ray:// is refused at once
+        pytest.skip("ray[client] is installed here: ray:// would try to connect")
+    done = _serve("--address", "ray://127.0.0.1:1", timeout=120)
+    assert done.returncode == 2 and "cannot join the Ray cluster at --address ray://127.0.0.1:1" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_a_draft_model_that_does_not_exist_is_named_before_ray_starts():
     started = time.monotonic()
     done = _serve("--drafter", "nosuch", "--port", "0")

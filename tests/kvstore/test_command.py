@@ -55,4 +55,30 @@ def test_a_port_in_use_is_named_in_the_error():
         result = subprocess.run([sys.executable, "-m", "oasiskv.kvstore", "--port", str(port), "--transport", "tcp",
                                  "--capacity-gb", "0.01"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
-    assert f"cannot start a 0.01 GB store on 127.0.0.1:{port}" in result.stderr
+    assert f"cannot start a 0.01 GiB store on 127.0.0.1:{port}" in result.stderr
+    assert f"--port {port} is in use" in result.stderr
+
+
+def test_a_metrics_port_in_use_is_the_one_named():
+    """Both ports bind at start, and the message did not say which one was taken."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "-m", "oasiskv.kvstore", "--port", "0", "--metrics-port", str(port),
+                                 "--transport", "tcp", "--capacity-gb", "0.01"], cwd=REPO_ROOT, capture_output=True,
+                                text=True, timeout=60)
+    assert result.returncode == 1 and f"--metrics-port {port} is in use" in result.stderr
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--port", "7399", "--metrics-port", "7399"], "--metrics-port (7399) is the store's own port"),
+    (["--capacity-gb", "1e-9"], "--capacity-gb (1e-09) is under one 4096-byte chunk"),
+    (["--log-level", "chatty"], "argument --log-level: invalid choice: 'CHATTY'"),
+])
+def test_settings_the_store_cannot_run_with_are_refused_before_it_starts(argv, named):
+    """Each was accepted: the ports failed as 'address in use' when the store started, the tiny
+    arena as an error of starting it, and an unknown log level ran at WARNING."""
+    result = subprocess.run([sys.executable, "-m", "oasiskv.kvstore", *argv], cwd=REPO_ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and named in result.stderr, result.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import re
 import shutil
 import struct
 import subprocess
@@ -84,6 +85,54 @@ def test_cache_root_precedence(monkeypatch, tmp_path):
     assert cache_root(tmp_path / "arg") == tmp_path / "arg"
     monkeypatch.delenv("OASISKV_CACHE")
     assert cache_root() == Path.home() / ".cache" / "oasiskv"
+
+
+def test_an_unusable_cache_is_named_as_the_cache(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ModelError, match=f"cannot use the model cache at {blocker}"):
+        resolve_model(NAMES[0], cache_dir=blocker)
+
+
+def _damaged_copy(model_dir: Path, tmp_path: Path, name: str, content: bytes) -> Path:
+    """`model_dir` linked file by file, but for `name`, which holds `content`."""
+    copy = tmp_path / "model"
+    copy.mkdir()
+    for file in model_dir.iterdir():
+        (copy / file.name).symlink_to(file)
+    (copy / name).unlink()
+    (copy / name).write_bytes(content)
+    return copy
+
+
+@pytest.mark.parametrize("name, content, problem", [
+    ("config.json", b'{"hidden_size": ', "config.json: not a readable JSON file (Expecting value"),
+    ("config.json", b"[1, 2]", "config.json: expected a JSON object, got list"),
+    ("config.json", b"{}", "config.json: model_type None is not supported"),
+    ("config.json", b'{"model_type": "llama"}', "config.json: missing field 'num_hidden_layers'"),
+    ("tokenizer.json", b"garbage", "tokenizer.json: not a readable tokenizer"),
+    ("model.safetensors", b"\x10\x00", "model.safetensors: not a readable safetensors file"),
+])
+def test_a_damaged_model_directory_names_the_file(smollm2_dir, tmp_path, name, content, problem):
+    """Each was a traceback from json, safetensors or tokenizers, or a Ray worker that failed to start."""
+    with pytest.raises(ModelError, match=re.escape(problem)):
+        resolve_model(_damaged_copy(smollm2_dir, tmp_path, name, content))
+
+
+def test_a_truncated_weights_file_is_named(smollm2_dir, tmp_path):
+    weights = (smollm2_dir / "model.safetensors").read_bytes()
+    copy = _damaged_copy(smollm2_dir, tmp_path, "model.safetensors", weights[: len(weights) // 2])
+    with pytest.raises(CorruptModelError, match="model.safetensors: not a readable safetensors file"):
+        resolve_model(copy)
+    assert resolve_model(smollm2_dir) == smollm2_dir  # the whole one passes
+
+
+def test_a_path_that_does_not_exist_says_so(tmp_path):
+    for missing in (tmp_path / "nothere.gguf", tmp_path / "no-dir"):
+        with pytest.raises(ModelError, match="no such file or directory"):
+            resolve_model(missing)
+    with pytest.raises(ModelError, match="no such file or directory"):
+        resolve_model("nothere.gguf")
 
 
 # --- verification of damaged files --------------------------------------------------------------
