@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -134,15 +137,41 @@ def _check_args(args: argparse.Namespace) -> tuple[dict, list[float]]:
     if malformed:
         raise ValueError(f"--metadata takes KEY=VALUE items, got {malformed[0]!r}")
     if args.save_result:
-        # Before the run, not after it: an unwritable folder threw away a whole run's results.
-        folder = Path(args.result_dir)
+        _check_result_path(args)
+    return parse_goodput(args.goodput), percentiles
+
+
+def _result_path(args: argparse.Namespace, stamp: str) -> Path:
+    """Where --save-result writes its JSON: --result-filename under --result-dir (an absolute
+    --result-filename, or one with a folder of its own, names its folder itself)."""
+    name = args.result_filename or f"bench-serve-{args.endpoint}-{args.dataset}-{stamp}.json"
+    return Path(args.result_dir) / name
+
+
+def _check_result_path(args: argparse.Namespace) -> None:
+    """Before the run, not after it: a folder that cannot be made or written threw away a whole
+    run's results (--result-dir, and then a --result-filename with a folder of its own)."""
+    checks = []
+    name = args.result_filename
+    if name is not None:
+        if not Path(name).name or Path(name).name in (".", "..") or name.endswith("/"):
+            raise ValueError(f"--result-filename {name!r} names no file")
+    if name is None or not Path(name).is_absolute():
+        checks.append(("--result-dir", Path(args.result_dir)))
+    target = _result_path(args, "x")
+    if name is not None and Path(name).parent != Path("."):
+        checks.append(("--result-filename", target.parent))
+    for flag, folder in checks:
         try:
             folder.mkdir(parents=True, exist_ok=True)  # as vLLM's bench serve makes it
         except OSError as exc:
-            raise ValueError(f"--result-dir {str(folder)!r} cannot be made: {exc}") from exc
-        if not os.access(folder, os.W_OK):
-            raise ValueError(f"--result-dir {str(folder)!r} is not a folder this user can write to")
-    return parse_goodput(args.goodput), percentiles
+            raise ValueError(f"{flag}: the folder {str(folder)!r} cannot be made: {exc}") from exc
+        try:
+            tempfile.TemporaryFile(dir=folder).close()  # a real write: root passes os.access everywhere
+        except OSError as exc:
+            raise ValueError(f"{flag}: cannot write in the folder {str(folder)!r}: {exc}") from exc
+    if name is not None and target.exists() and (target.is_dir() or not os.access(target, os.W_OK)):
+        raise ValueError(f"--result-filename: {str(target)!r} exists and is not a file this user can write")
 
 
 def _check_input_lengths(args: argparse.Namespace) -> None:
@@ -230,18 +259,51 @@ async def _serve(args: argparse.Namespace) -> int:
     }
     print(format_report(summary, run_config))
 
+    saved = True
     if args.save_result:
         series = timeline(results, duration)
-        name = args.result_filename or (
-            f"bench-serve-{args.endpoint}-{args.dataset}-{time.strftime('%Y%m%d-%H%M%S')}.json")
-        path = save_json(result_record(summary, run_config, series, results), args.result_dir / name)
-        print(f"result: {path}")
-        if not args.no_plot:
+        wanted = _result_path(args, time.strftime("%Y%m%d-%H%M%S"))
+        path = _save_record(result_record(summary, run_config, series, results), wanted)
+        saved = path == wanted
+        if path is not None:
+            print(f"result: {path}")
+        if path is not None and not args.no_plot:
             from .plot import save_plot
 
             title = f"{config.options.model} @ {config.base_url} ({args.dataset}, rate {args.request_rate:g}/s)"
-            print(f"plot:   {save_plot(results, series, title, path.with_suffix('.png'))}")
-    return 0 if summary["failed"] == 0 else 1  # requests left unsent by --max-duration are not failures
+            try:
+                print(f"plot:   {save_plot(results, series, title, path.with_suffix('.png'))}")
+            except OSError as exc:
+                print(f"oasiskv bench serve: cannot write the plot to {path.with_suffix('.png')}: {exc}",
+                      file=sys.stderr)
+    # requests left unsent by --max-duration are not failures; results not where --save-result
+    # was asked to put them are
+    return 0 if summary["failed"] == 0 and saved else 1
+
+
+def _save_record(record: dict, path: Path) -> Path | None:
+    """Writes the JSON record to `path`, checked before the run; should that still fail (the
+    disk filled, the folder went), a whole run's results are not thrown away: they go to a new
+    file in the temporary folder, or, failing that too, to stdout (None is returned)."""
+    try:
+        return save_json(record, path)
+    except OSError as exc:
+        print(f"oasiskv bench serve: cannot write the results to {path}: {exc}", file=sys.stderr)
+    fallback = None
+    try:
+        with tempfile.NamedTemporaryFile("w", prefix=f"{path.stem}-", suffix=".json", delete=False) as file:
+            fallback = Path(file.name)
+            file.write(json.dumps(record, indent=2) + "\n")
+    except OSError as exc:
+        if fallback is not None:
+            with contextlib.suppress(OSError):
+                fallback.unlink()  # half written
+        print(f"oasiskv bench serve: nor to the temporary folder ({exc}); the JSON record follows on stdout",
+              file=sys.stderr)
+        print(json.dumps(record, indent=2))
+        return None
+    print(f"oasiskv bench serve: the results are in {fallback} instead", file=sys.stderr)
+    return fallback
 
 
 def run_serve(args: argparse.Namespace) -> int:

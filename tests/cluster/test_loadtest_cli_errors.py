@@ -1,0 +1,161 @@
+"""`oasiskv bench serve` when something is wrong: bad arguments and files, servers that do not
+speak OpenAI's API, results that cannot be written where asked, a run stopped with Ctrl-C.
+
+The server is http.server in a thread on 127.0.0.1; each test says how it answers. Streamed
+answers are HTTP/1.0 bodies that end when the connection closes. Nothing leaves 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from oasiskv.cluster.loadtest import add_arguments_bench, cli, run_bench
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_GET(self):
+        self.server.owner.answer(self, "GET")
+
+    def do_POST(self):
+        self.server.owner.answer(self, "POST")
+
+
+class Server:
+    """Answers GET /v1/models with `models` (raw bytes or JSON), and POST /v1/completions with
+    `post(handler, payload)`, by default a short stream."""
+
+    def __init__(self):
+        self.models: object = {"object": "list", "data": [{"id": "m", "object": "model"}]}
+        self.post = stream_answer
+        self.posts: list[dict] = []
+        self.release = threading.Event()  # ends the waits of slow answers
+        self.lock = threading.Lock()
+        self._http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._http.daemon_threads = True
+        self._http.owner = self
+        self.url = f"http://127.0.0.1:{self._http.server_address[1]}"
+        self._thread = threading.Thread(target=self._http.serve_forever, daemon=True)
+        self._thread.start()
+
+    def answer(self, handler: BaseHTTPRequestHandler, method: str) -> None:
+        if method == "GET" and handler.path == "/v1/models":
+            body = self.models if isinstance(self.models, bytes) else json.dumps(self.models).encode()
+            reply(handler, 200, body, "application/json")
+            return
+        if method == "POST" and handler.path.startswith("/v1/"):
+            payload = json.loads(handler.rfile.read(int(handler.headers.get("Content-Length", 0))))
+            with self.lock:
+                self.posts.append(payload)
+            try:
+                self.post(handler, payload)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the client went away
+            return
+        handler.send_error(404)
+
+    def stop(self) -> None:
+        self.release.set()
+        self._http.shutdown()
+        self._http.server_close()
+
+
+def reply(handler: BaseHTTPRequestHandler, status: int, body: bytes, content_type: str) -> None:
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def stream_answer(handler: BaseHTTPRequestHandler, payload: dict) -> None:
+    handler.send_response(200)
+    handler.send_header("Content-Type", "text/event-stream")
+    handler.end_headers()
+    for text, finish in ((" a", None), (" b", "length")):
+        chunk = {"id": "x", "choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+        handler.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    handler.wfile.write(b"data: [DONE]\n\n")
+    handler.wfile.flush()
+
+
+@pytest.fixture
+def server():
+    instance = Server()
+    yield instance
+    instance.stop()
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="oasiskv bench")
+    add_arguments_bench(parser)
+    return parser.parse_args(["serve", "--disable-tqdm", *argv])
+
+
+SMALL = ("--num-prompts", "2", "--random-input-len", "4", "--random-output-len", "2")
+
+
+# --- where the results go ----------------------------------------------------------------------------
+
+def test_a_result_filename_whose_folder_cannot_be_made_is_refused_before_the_run(server, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for name in ("/proc/nope/x.json",  # absolute: --result-dir plays no part; once found after the run
+                 f"{blocker.name}/x.json",  # a folder of its own under --result-dir
+                 "sub/"):  # names no file
+        args = parse("--base-url", server.url, "--model", "m", *SMALL, "--save-result",
+                     "--result-dir", str(tmp_path), "--result-filename", name)
+        assert run_bench(args) == 2, name
+        assert "--result-filename" in capsys.readouterr().err, name
+    folder = tmp_path / "made"
+    (folder / "x.json").mkdir(parents=True)  # an existing folder where the file would go
+    args = parse("--base-url", server.url, "--model", "m", *SMALL, "--save-result",
+                 "--result-dir", str(folder), "--result-filename", "x.json")
+    assert run_bench(args) == 2
+    assert "--result-filename" in capsys.readouterr().err
+    assert server.posts == []
+
+
+def test_a_result_filename_with_its_own_folder_is_made_and_written(server, tmp_path):
+    target = tmp_path / "elsewhere" / "deep" / "run.json"
+    args = parse("--base-url", server.url, "--model", "m", *SMALL, "--skip-initial-test", "--save-result",
+                 "--no-plot", "--result-dir", str(tmp_path / "unused"), "--result-filename", str(target))
+    assert run_bench(args) == 0
+    assert json.loads(target.read_text())["summary"]["completed"] == 2
+
+
+def test_results_that_cannot_be_written_after_the_run_are_not_lost(server, tmp_path, capsys, monkeypatch):
+    wanted = tmp_path / "run.json"
+    real_save = cli.save_json
+
+    def failing_save(record, path):
+        if path == wanted:
+            raise OSError(28, "No space left on device")
+        return real_save(record, path)
+
+    monkeypatch.setattr(cli, "save_json", failing_save)
+    monkeypatch.setattr(cli.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    args = parse("--base-url", server.url, "--model", "m", *SMALL, "--skip-initial-test", "--save-result",
+                 "--no-plot", "--result-dir", str(tmp_path), "--result-filename", "run.json")
+    assert run_bench(args) == 1  # all requests succeeded, but the results are not where asked
+    err = capsys.readouterr().err
+    assert f"cannot write the results to {wanted}" in err and "No space left on device" in err
+    [fallback] = (tmp_path / "tmp").glob("run-*.json")
+    assert str(fallback) in err
+    assert json.loads(fallback.read_text())["summary"]["completed"] == 2
+
+    # and when the temporary folder fails too, the record is printed
+    monkeypatch.setattr(cli.tempfile, "tempdir", str(tmp_path / "missing"))
+    assert run_bench(args) == 1
+    out, err = capsys.readouterr()
+    assert "JSON record follows on stdout" in err
+    record = json.loads(out[out.index('{\n  "config"'):])
+    assert record["summary"]["completed"] == 2
