@@ -159,3 +159,28 @@ def test_results_that_cannot_be_written_after_the_run_are_not_lost(server, tmp_p
     assert "JSON record follows on stdout" in err
     record = json.loads(out[out.index('{\n  "config"'):])
     assert record["summary"]["completed"] == 2
+
+
+# --- servers that are not OpenAI-shaped ----------------------------------------------------------------
+
+@pytest.mark.parametrize("body", [b"[1,2]", b'{"data":"x"}', b'{"data":[{"name":"x"}]}', b'{"data":[{"id":7}]}',
+                                  b"<html>\n<body>\nhello\n</body>\n</html>\n"])
+def test_a_model_listing_that_is_not_openai_shaped_is_one_clear_line(server, body, capsys):
+    # once an AttributeError, a TypeError, or "cannot list models at ...: 'id'"
+    server.models = body
+    assert run_bench(parse("--base-url", server.url, *SMALL)) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert "/v1/models answer is not OpenAI-shaped" in err and '"data": [{"id":' in err, err
+    assert server.posts == []
+
+
+def test_a_model_listing_that_fails_or_is_empty_says_so(server, capsys):
+    server.models = {"object": "list", "data": []}
+    assert run_bench(parse("--base-url", server.url, *SMALL)) == 1
+    assert "lists no models; pass --model" in capsys.readouterr().err
+    server.models = None  # not a dict: answered 404 below
+    server.answer = lambda handler, method: handler.send_error(404)
+    assert run_bench(parse("--base-url", server.url, *SMALL)) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "GET /v1/models answered HTTP 404" in err, err

@@ -191,14 +191,35 @@ def _check_input_lengths(args: argparse.Namespace) -> None:
                          f"the {MAX_DATASET_TOKENS} tokens a run may hold in memory; send fewer or shorter prompts")
 
 
+_MODELS_SHAPE = 'expected OpenAI\'s {"object": "list", "data": [{"id": "<model>", ...}, ...]}'
+_QUOTE_CHARS = 200
+
+
+def _one_line(text: str, limit: int = _QUOTE_CHARS) -> str:
+    """`text` on one line (whitespace runs made one space), cut to `limit` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 async def _discover_model(config: RunConfig) -> str:
     async with make_client(config, 1) as client:
         response = await client.get("/v1/models")
-        response.raise_for_status()
-        models = response.json().get("data") or []
-        if not models:
-            raise ValueError("the server lists no models; pass --model")
-        return models[0]["id"]
+    body = response.text
+    if not response.is_success:
+        raise ValueError(f"GET /v1/models answered HTTP {response.status_code}: {_one_line(body)!r}; "
+                         "pass --model, or check --base-url")
+    try:
+        listing = json.loads(body)
+    except ValueError:
+        listing = None
+    models = listing.get("data") if isinstance(listing, dict) else None
+    if not (isinstance(models, list)
+            and all(isinstance(m, dict) and isinstance(m.get("id"), str) and m["id"] for m in models)):
+        raise ValueError(f"the server's /v1/models answer is not OpenAI-shaped ({_MODELS_SHAPE}, "
+                         f"got {_one_line(body)!r}); pass --model")
+    if not models:
+        raise ValueError("the server lists no models; pass --model")
+    return models[0]["id"]
 
 
 async def _initial_test(config: RunConfig, request) -> str | None:
@@ -234,7 +255,7 @@ async def _serve(args: argparse.Namespace) -> int:
     if not args.model:
         try:
             config = replace(config, options=replace(options, model=await _discover_model(config)))
-        except (httpx.HTTPError, ValueError, KeyError) as exc:
+        except (httpx.HTTPError, ValueError) as exc:
             print(f"oasiskv bench serve: cannot list models at {args.base_url}: {exc}", file=sys.stderr)
             return 1
     if not args.skip_initial_test:
