@@ -184,3 +184,35 @@ def test_a_model_listing_that_fails_or_is_empty_says_so(server, capsys):
     assert run_bench(parse("--base-url", server.url, *SMALL)) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "GET /v1/models answered HTTP 404" in err, err
+
+
+# --- JSONL files ---------------------------------------------------------------------------------------
+
+def test_a_jsonl_file_that_is_not_utf8_is_named_with_its_line(server, tmp_path, capsys):
+    prompts = tmp_path / "bad.jsonl"
+    prompts.write_bytes(b'{"prompt": "fine"}\n\n{"prompt": "caf\xff"}\n')
+    args = parse("--base-url", server.url, "--model", "m", "--dataset", "jsonl", "--jsonl-path", str(prompts))
+    assert run_bench(args) == 2
+    err = capsys.readouterr().err
+    assert f"{prompts}:3: not UTF-8" in err and "0xff" in err, err  # once only "'utf-8' codec can't decode"
+    assert server.posts == []
+
+
+def test_jsonl_lines_end_at_newlines_only_and_may_open_with_a_bom(server, tmp_path):
+    from oasiskv.cluster.loadtest.datasets import TokenCounter, jsonl_requests
+
+    prompts = tmp_path / "p.jsonl"
+    # a raw U+2028 and U+0085 inside a JSON string (JSON allows both): str.splitlines split the line there
+    prompts.write_bytes('\ufeff{"prompt": "a\u2028b\x85c"}\r\n{"prompt": "d", "max_tokens": 3}\n'.encode())
+    requests = jsonl_requests(prompts, 2, 7, TokenCounter())
+    assert [(r.prompt, r.max_tokens) for r in requests] == [("a\u2028b\x85c", 7), ("d", 3)]
+
+
+@pytest.mark.parametrize("value", ["true", "false", "2.0", "null", "0"])
+def test_a_jsonl_max_tokens_that_is_not_a_positive_integer_is_refused(server, tmp_path, capsys, value):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b", "max_tokens": %s}\n' % value)
+    args = parse("--base-url", server.url, "--model", "m", "--dataset", "jsonl", "--jsonl-path", str(prompts))
+    assert run_bench(args) == 2  # true was taken as 1 token
+    assert f"{prompts}:2: max_tokens must be a positive integer, not {value}" in capsys.readouterr().err
+    assert server.posts == []

@@ -149,7 +149,14 @@ def jsonl_requests(path: Path, n: int, default_output_len: int,
     """One JSON object a line: {"prompt": "...", "max_tokens": 128} (max_tokens optional).
     Lines are used in order, repeated when `n` is larger than the file."""
     prompts = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    # Lines end at "\n" (JSON Lines), not wherever str.splitlines ends one: a JSON string may hold
+    # a raw U+2028 or form feed. Each line is decoded alone, so bad bytes are named by line.
+    for number, raw in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
+                             f"{exc.start + 1}); JSONL files are UTF-8") from None
         if not line.strip():
             continue
         try:
@@ -159,8 +166,9 @@ def jsonl_requests(path: Path, n: int, default_output_len: int,
         if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"]:
             raise ValueError(f'{path}:{number}: needs a non-empty string "prompt"')
         max_tokens = item.get("max_tokens", default_output_len)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"{path}:{number}: max_tokens must be a positive integer")
+        # bool is an int in Python: true would have asked for 1 token
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"{path}:{number}: max_tokens must be a positive integer, not {json.dumps(max_tokens)}")
         prompts.append(BenchRequest(item["prompt"], counter.count(item["prompt"]), max_tokens))
     if not prompts:
         raise ValueError(f"{path}: no prompts")
