@@ -216,3 +216,30 @@ def test_a_jsonl_max_tokens_that_is_not_a_positive_integer_is_refused(server, tm
     assert run_bench(args) == 2  # true was taken as 1 token
     assert f"{prompts}:2: max_tokens must be a positive integer, not {value}" in capsys.readouterr().err
     assert server.posts == []
+
+
+# --- the initial test request ------------------------------------------------------------------------
+
+def html_page(handler: BaseHTTPRequestHandler, payload: dict) -> None:
+    lines = ["<!DOCTYPE html>", "<html>", "<head><title>Not here</title></head>", "<body>"]
+    lines += [f"<p>paragraph {i} of a page that is no API at all</p>" for i in range(20)] + ["</body>", "</html>"]
+    reply(handler, 404, "\n".join(lines).encode(), "text/html")
+
+
+def test_an_initial_test_answered_by_a_web_page_is_trimmed_and_says_what_was_expected(server, capsys):
+    server.post = html_page
+    assert run_bench(parse("--base-url", server.url, "--model", "m", *SMALL)) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # once the page's lines, one after another
+    line = err.strip()
+    assert "POST /v1/completions: HTTP 404: <!DOCTYPE html> <html> <head>" in line
+    assert "paragraph 19" not in line and len(line) < 500
+    assert "expected an OpenAI-compatible streamed answer" in line and "--base-url" in line
+    assert len(server.posts) == 1
+
+
+def test_an_initial_test_answered_200_with_no_events_says_what_was_expected(server, capsys):
+    server.post = lambda handler, payload: reply(handler, 200, b"<html>\n<p>hello</p>\n</html>\n", "text/html")
+    assert run_bench(parse("--base-url", server.url, "--model", "m", "--endpoint", "chat", *SMALL)) == 1
+    line = capsys.readouterr().err.strip()
+    assert "POST /v1/chat/completions: stream ended before [DONE]; expected an OpenAI" in line, line

@@ -22,7 +22,7 @@ from .arrivals import arrival_offsets
 from .datasets import TokenCounter, build_requests
 from .report import format_report, result_record, save_json
 from .runner import RunConfig, make_client, run_requests
-from .sse import RequestOptions, count_unreported_output_tokens, send_request
+from .sse import ENDPOINT_PATHS, RequestOptions, count_unreported_output_tokens, send_request
 from .stats import parse_goodput, summarize, timeline
 
 MAX_PROMPTS = 1_000_000
@@ -223,10 +223,18 @@ async def _discover_model(config: RunConfig) -> str:
 
 
 async def _initial_test(config: RunConfig, request) -> str | None:
+    """None if one short request succeeds, else what went wrong, on one line."""
     probe = replace(request, max_tokens=min(request.max_tokens, 4))
     async with make_client(config, 1) as client:
         result = await send_request(client, -1, probe, config.options, time.perf_counter(), config.request_timeout_s)
-    return None if result.success else result.error
+    if result.success:
+        return None
+    where = f"POST {ENDPOINT_PATHS[config.options.endpoint]}"
+    if not result.http_status:  # no answer at all: the address is what to check
+        return f"{where}: {_one_line(result.error)}"
+    # An answer, but not OpenAI's (a web page, say): its first characters, not all of it.
+    return (f"{where}: {_one_line(result.error)}; expected an OpenAI-compatible streamed answer "
+            "(HTTP 200, server-sent events 'data: {...}' ending with 'data: [DONE]'): check --base-url and --endpoint")
 
 
 def _progress(total: int, disabled: bool):
