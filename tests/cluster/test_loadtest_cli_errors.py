@@ -243,3 +243,33 @@ def test_an_initial_test_answered_200_with_no_events_says_what_was_expected(serv
     assert run_bench(parse("--base-url", server.url, "--model", "m", "--endpoint", "chat", *SMALL)) == 1
     line = capsys.readouterr().err.strip()
     assert "POST /v1/chat/completions: stream ended before [DONE]; expected an OpenAI" in line, line
+
+
+# --- arguments ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--request-rate", "0"], "--request-rate"),  # once "request rate must be > 0"
+    (["--request-rate", "nan"], "--request-rate"),
+    (["--burstiness", "0"], "--burstiness"),  # once "burstiness (the gamma shape) ..."
+    (["--request-rate", "1e-10", "--burstiness", "1e-300"], "--burstiness"),
+    (["--random-range-ratio", "1"], "--random-range-ratio"),  # once "range ratio must be in [0, 1)"
+    (["--random-range-ratio", "-0.5"], "--random-range-ratio"),
+])
+def test_bad_load_values_are_named_by_their_flags(server, capsys, argv, flag):
+    assert run_bench(parse("--base-url", server.url, "--model", "m", *SMALL, *argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"oasiskv bench serve: {flag}") or f" {flag} " in err, err
+    assert server.posts == []
+
+
+def test_a_path_for_a_dataset_not_chosen_is_refused(server, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n')
+    for argv, flag, dataset in ((["--jsonl-path", str(prompts)], "--jsonl-path", "jsonl"),  # once: random prompts
+                                (["--files-dir", str(tmp_path)], "--files-dir", "files"),
+                                (["--dataset", "jsonl", "--jsonl-path", str(prompts), "--files-dir", str(tmp_path)],
+                                 "--files-dir", "files")):
+        assert run_bench(parse("--base-url", server.url, "--model", "m", *SMALL, *argv)) == 2, argv
+        err = capsys.readouterr().err
+        assert f"{flag} is read only with --dataset {dataset}" in err, err
+    assert server.posts == []

@@ -123,6 +123,11 @@ def _check_args(args: argparse.Namespace) -> tuple[dict, list[float]]:
         raise ValueError("--max-duration and --request-timeout must be > 0")
     if args.dataset == "jsonl" and not args.jsonl_path:
         raise ValueError("--dataset jsonl needs --jsonl-path")
+    # A flag read only by another dataset would be ignored, and the run quietly use other prompts.
+    for flag, value, dataset in (("--jsonl-path", args.jsonl_path, "jsonl"), ("--files-dir", args.files_dir, "files")):
+        if value is not None and args.dataset != dataset:
+            raise ValueError(f"{flag} is read only with --dataset {dataset}, and the dataset is {args.dataset}: "
+                             f"add --dataset {dataset}, or leave {flag} out")
     for name in ("random_input_len", "random_output_len", "files_input_len", "files_output_len", "jsonl_output_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")

@@ -85,7 +85,7 @@ class TokenCounter:
 def sample_lengths(mean: int, range_ratio: float, n: int, rng: np.random.Generator) -> np.ndarray:
     """n lengths drawn uniformly from [mean * (1 - r), mean * (1 + r)], at least 1."""
     if not 0 <= range_ratio < 1:
-        raise ValueError("range ratio must be in [0, 1)")
+        raise ValueError(f"--random-range-ratio must be in [0, 1), not {range_ratio:g}")
     low, high = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
     return rng.integers(low, high + 1, size=n)
 
