@@ -8,13 +8,25 @@ answers are HTTP/1.0 bodies that end when the connection closes. Nothing leaves 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import numpy as np
 import pytest
 
+import oasiskv
 from oasiskv.cluster.loadtest import add_arguments_bench, cli, run_bench
+from oasiskv.cluster.loadtest.datasets import BenchRequest
+from oasiskv.cluster.loadtest.runner import RunConfig, RunInterrupted, run_requests
+from oasiskv.cluster.loadtest.sse import RequestOptions
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -157,7 +169,7 @@ def test_results_that_cannot_be_written_after_the_run_are_not_lost(server, tmp_p
     assert run_bench(args) == 1
     out, err = capsys.readouterr()
     assert "JSON record follows on stdout" in err
-    record = json.loads(out[out.index('{\n  "config"'):])
+    record = json.loads(out[out.index('{\n  "partial"'):])
     assert record["summary"]["completed"] == 2
 
 
@@ -273,3 +285,85 @@ def test_a_path_for_a_dataset_not_chosen_is_refused(server, tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"{flag} is read only with --dataset {dataset}" in err, err
     assert server.posts == []
+
+
+# --- Ctrl-C ------------------------------------------------------------------------------------------
+
+def fast_or_slow(server: Server):
+    def post(handler: BaseHTTPRequestHandler, payload: dict) -> None:
+        if "slow" in payload["prompt"]:
+            server.release.wait(30)  # until the test ends
+        stream_answer(handler, payload)
+    return post
+
+
+def interrupt_bench(server: Server, tmp_path, prompts: list[str], posts: int, *extra: str) -> tuple[int, str, str]:
+    """Runs `oasiskv bench serve` in a process of its own on `prompts`, and sends it SIGINT (what
+    Ctrl-C sends) once the server has had `posts` requests and half a second has passed."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    root = Path(oasiskv.__file__).resolve().parents[1]
+    command = [sys.executable, "-m", "oasiskv.cluster.cli", "bench", "serve", "--base-url", server.url,
+               "--model", "m", "--disable-tqdm", "--dataset", "jsonl", "--jsonl-path", str(path),
+               "--num-prompts", str(len(prompts)), "--save-result", "--no-plot", "--result-dir", str(tmp_path),
+               "--result-filename", "run.json", *extra]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        deadline = time.monotonic() + 60
+        while len(server.posts) < posts:
+            assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)  # the fast answers read
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode, out, err
+
+
+def test_ctrl_c_before_the_run_says_so(server, tmp_path):
+    server.post = fast_or_slow(server)
+    code, out, err = interrupt_bench(server, tmp_path, ["slow", "fast"], 1)  # during the initial test
+    assert code == 130 and err.strip() == "oasiskv bench serve: interrupted", err  # once: nothing at all
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_ctrl_c_mid_run_reports_and_saves_the_partial_results(server, tmp_path):
+    server.post = fast_or_slow(server)
+    code, out, err = interrupt_bench(server, tmp_path, ["fast", "slow", "fast", "slow"], 4, "--skip-initial-test")
+    # once: exit 130, nothing printed, nothing saved
+    assert code == 130, err
+    assert "interrupted after" in err and "2 of 4 requests ended, 2 cancelled in flight, 0 not sent" in err, err
+    assert "Traceback" not in err
+    assert "PARTIAL: the run was interrupted" in out and f"result: {tmp_path / 'run.json'}" in out
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["partial"] is True
+    assert record["summary"]["completed"] == 2 and record["summary"]["errors"] == {"cancelled": 2}
+    assert [r["success"] for r in record["requests"]] == [True, False, True, False]
+    assert record["requests"][1]["error"] == "cancelled: interrupted"
+
+
+def test_a_cancelled_run_passes_the_cancellation_on_with_its_results(server):
+    server.post = fast_or_slow(server)
+    requests = [BenchRequest("fast", 1, 2), BenchRequest("slow", 1, 2), BenchRequest("fast", 1, 2)]
+    config = RunConfig(base_url=server.url, api_key=None, options=RequestOptions(model="m"))
+
+    async def main():
+        run = asyncio.create_task(run_requests(requests, np.array([0.0, 0.0, 60.0]), config))
+        while len(server.posts) < 2:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        run.cancel()
+        with pytest.raises(RunInterrupted) as stopped:
+            await run
+        assert run.cancelled()  # still a cancellation to whoever awaits the task
+        return stopped.value
+
+    stop = asyncio.run(main())
+    first, slow, unsent = stop.results
+    assert first.success and slow.sent and slow.error == "cancelled: interrupted"
+    assert not unsent.sent and unsent.error == "not sent: interrupted"
+    assert 0.3 <= stop.duration < 30
+    assert len(server.posts) == 2

@@ -21,7 +21,7 @@ import numpy as np
 from .arrivals import arrival_offsets
 from .datasets import TokenCounter, build_requests
 from .report import format_report, result_record, save_json
-from .runner import RunConfig, make_client, run_requests
+from .runner import RunConfig, RunInterrupted, make_client, run_requests
 from .sse import ENDPOINT_PATHS, RequestOptions, count_unreported_output_tokens, send_request
 from .stats import parse_goodput, summarize, timeline
 
@@ -277,8 +277,19 @@ async def _serve(args: argparse.Namespace) -> int:
             print(f"oasiskv bench serve: the initial test request failed: {error}", file=sys.stderr)
             return 1
 
+    interrupted = False
     with _progress(len(requests), args.disable_tqdm) as bar:
-        results, duration = await run_requests(requests, offsets, config, on_done=lambda _: bar.update(1))
+        try:
+            results, duration = await run_requests(requests, offsets, config, on_done=lambda _: bar.update(1))
+        except RunInterrupted as stop:  # Ctrl-C: asyncio.run cancelled this task; report what finished
+            asyncio.current_task().uncancel()
+            results, duration, interrupted = stop.results, stop.duration, True
+    if interrupted:
+        cut = sum(r.sent and r.error.startswith("cancelled:") for r in results)
+        unsent = sum(not r.sent for r in results)
+        print(f"oasiskv bench serve: interrupted after {duration:.1f} s: {len(results) - cut - unsent} of "
+              f"{len(results)} requests ended, {cut} cancelled in flight, {unsent} not sent; the results are "
+              "partial" + (" (saved, marked partial)" if args.save_result else ""), file=sys.stderr)
     if counter.exact:  # after the run: tokenizing between chunks would delay other requests' timestamps
         count_unreported_output_tokens(results, counter.count)
 
@@ -291,13 +302,13 @@ async def _serve(args: argparse.Namespace) -> int:
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "metadata": dict(item.split("=", 1) for item in args.metadata),
     }
-    print(format_report(summary, run_config))
+    print(format_report(summary, run_config, partial=interrupted))
 
     saved = True
     if args.save_result:
         series = timeline(results, duration)
         wanted = _result_path(args, time.strftime("%Y%m%d-%H%M%S"))
-        path = _save_record(result_record(summary, run_config, series, results), wanted)
+        path = _save_record(result_record(summary, run_config, series, results, partial=interrupted), wanted)
         saved = path == wanted
         if path is not None:
             print(f"result: {path}")
@@ -310,6 +321,8 @@ async def _serve(args: argparse.Namespace) -> int:
             except OSError as exc:
                 print(f"oasiskv bench serve: cannot write the plot to {path.with_suffix('.png')}: {exc}",
                       file=sys.stderr)
+    if interrupted:
+        return 130  # as a shell reports a command ended by Ctrl-C
     # requests left unsent by --max-duration are not failures; results not where --save-result
     # was asked to put them are
     return 0 if summary["failed"] == 0 and saved else 1
@@ -341,4 +354,8 @@ def _save_record(record: dict, path: Path) -> Path | None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    return asyncio.run(_serve(args))
+    try:
+        return asyncio.run(_serve(args))
+    except KeyboardInterrupt:  # before the run began (during the run it is reported), or a second Ctrl-C
+        print("oasiskv bench serve: interrupted", file=sys.stderr)
+        return 130

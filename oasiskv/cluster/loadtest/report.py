@@ -26,10 +26,12 @@ def _line(label: str, value, fmt: str = "{:<40} {:<10.2f}") -> str:
     return fmt.format(label, value)
 
 
-def format_report(summary: dict, config: dict) -> str:
+def format_report(summary: dict, config: dict, partial: bool = False) -> str:
+    """`partial`: the run was interrupted (Ctrl-C) before its end."""
     rate = config["request_rate"]
     lines = [
         "{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=WIDTH, c="="),
+        *(["PARTIAL: the run was interrupted (Ctrl-C) before its end"] if partial else []),
         _line("Endpoint:", f"{config['base_url']} ({config['endpoint']})", "{:<40} {}"),
         _line("Traffic request rate:", "inf" if math.isinf(rate) else f"{rate:g}", "{:<40} {}"),
         _line("Burstiness factor:", config["burstiness"], "{:<40} {:g}"),
@@ -38,7 +40,8 @@ def format_report(summary: dict, config: dict) -> str:
         _line("Failed requests:", summary["failed"], "{:<40} {:<10}"),
     ]
     if summary["not_sent"]:
-        lines.append(_line("Not sent (--max-duration reached):", summary["not_sent"], "{:<40} {:<10}"))
+        label = "Not sent (interrupted):" if partial else "Not sent (--max-duration reached):"
+        lines.append(_line(label, summary["not_sent"], "{:<40} {:<10}"))
     lines += [
         _line("Benchmark duration (s):", summary["duration_s"]),
         _line("Total input tokens:", summary["total_input_tokens"], "{:<40} {:<10}"),
@@ -82,14 +85,18 @@ def _clean(value):
     return value
 
 
-def result_record(summary: dict, config: dict, timeline: dict, results: Sequence[RequestResult]) -> dict:
+def result_record(summary: dict, config: dict, timeline: dict, results: Sequence[RequestResult],
+                  partial: bool = False) -> dict:
+    """`partial`: the run was interrupted (Ctrl-C); requests it cut short are failed ("cancelled:
+    interrupted") or not sent ("not sent: interrupted")."""
     requests = []
     for r in results:
         item = asdict(r)
         del item["generated_text"]  # the record keeps measurements, not the model's answers
         item["tpot"] = r.tpot
         requests.append(item)
-    return _clean({"config": config, "summary": summary, "timeline": timeline, "requests": requests})
+    return _clean({"partial": partial, "config": config, "summary": summary, "timeline": timeline,
+                   "requests": requests})
 
 
 def save_json(record: dict, path: Path) -> Path:

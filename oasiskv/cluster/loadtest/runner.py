@@ -33,6 +33,15 @@ class RunConfig:
     max_duration_s: float = 3600.0
 
 
+class RunInterrupted(asyncio.CancelledError):
+    """The run was cancelled (Ctrl-C) before its end; still a cancellation, carrying the results
+    so far (requests in flight cancelled, those not yet sent not sent) and the time it ran."""
+
+    def __init__(self, results: list[RequestResult], duration: float):
+        super().__init__("the run was interrupted")
+        self.results, self.duration = results, duration
+
+
 def make_client(config: RunConfig, connections: int | None) -> httpx.AsyncClient:
     """`connections` None: no limit, so no request ever waits for a pooled connection."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -69,7 +78,8 @@ def allow_open_files(needed: int) -> None:
 async def run_requests(requests: Sequence[BenchRequest], offsets: np.ndarray, config: RunConfig,
                        on_done: Callable[[RequestResult], None] = lambda r: None,
                        ) -> tuple[list[RequestResult], float]:
-    """Returns one result per request, in request order, and the benchmark's duration."""
+    """Returns one result per request, in request order, and the benchmark's duration; cancelled,
+    raises RunInterrupted with the same."""
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     # The pool is never what limits concurrency: a request waiting there for a connection
     # would count the wait in its TTFT, and the report would name a concurrency it did not have.
@@ -99,28 +109,41 @@ async def run_requests(requests: Sequence[BenchRequest], offsets: np.ndarray, co
             results[index] = result
             on_done(result)
 
-        tasks = []
-        for index, (request, offset) in enumerate(zip(requests, offsets)):
-            wait = min(clock_zero + float(offset), deadline) - time.perf_counter()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            if time.perf_counter() >= deadline:
-                break
-            tasks.append(asyncio.create_task(one(index, request)))
-        if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
-            for task in pending:
+        tasks: list[asyncio.Task] = []
+        interrupted = False
+        try:
+            for index, (request, offset) in enumerate(zip(requests, offsets)):
+                wait = min(clock_zero + float(offset), deadline) - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                if time.perf_counter() >= deadline:
+                    break
+                tasks.append(asyncio.create_task(one(index, request)))
+            if tasks:
+                _, pending = await asyncio.wait(tasks, timeout=max(0.0, deadline - time.perf_counter()))
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+        except asyncio.CancelledError:
+            # Cancelled from outside (Ctrl-C): end the requests in flight, keep what finished, and
+            # pass the cancellation on with the results (RunInterrupted) once the client is shut.
+            interrupted = True
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
         duration = time.perf_counter() - clock_zero
 
+    why = "interrupted" if interrupted else "--max-duration reached"
     ordered = []
     for index, request in enumerate(requests):
         if index not in results:
             sent = index < len(tasks)
             results[index] = RequestResult(
                 index=index, prompt_len=request.prompt_len, max_tokens=request.max_tokens, sent=sent,
-                error="cancelled: --max-duration reached" if sent else "not sent: --max-duration reached")
-            on_done(results[index])
+                error=f"cancelled: {why}" if sent else f"not sent: {why}")
+            if not interrupted:
+                on_done(results[index])
         ordered.append(results[index])
+    if interrupted:
+        raise RunInterrupted(ordered, duration)
     return ordered, duration
