@@ -165,33 +165,35 @@ def check_cluster_answers(address: str | None, timeout_s: float = 10.0) -> None:
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ClusterUnreachable(f"--address must be 'auto' or HOST:PORT of a Ray head, got {address!r}")
+    if host.startswith("[") and host.endswith("]"):  # an IPv6 head, written as Ray writes it
+        host = host[1:-1]
     try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s) as connection:
-            speaks_grpc = _answers_http2(connection, timeout_s)
+        connection = socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s)
     except OSError as error:
         raise ClusterUnreachable(f"no Ray cluster answers at {address} ({error}); start one with `ray start --head`, "
                                  "or leave --address out to start a local one") from None
-    if not speaks_grpc and not os.environ.get("RAY_USE_TLS"):  # a TLS handshake comes before HTTP/2
-        raise ClusterUnreachable(f"{address} answers, but not as a Ray head's GCS (gRPC) port; give the port `ray start "
-                                 "--head` printed (6379 by default), not the dashboard's or the Ray client's")
+    with connection:
+        # Under TLS a handshake comes before HTTP/2: the connection is all that can be checked.
+        if os.environ.get("RAY_USE_TLS", "").lower() in ("1", "true") or _answers_http2(connection, timeout_s):
+            return
+    raise ClusterUnreachable(f"{address} answers, but not as a Ray head's GCS (gRPC) port; give the port `ray start "
+                             "--head` printed (6379 by default), not the dashboard's or another server's")
 
 
 def _answers_http2(connection, timeout_s: float) -> bool:
     """Whether the peer answers an HTTP/2 connection preface with a SETTINGS frame, as every
     gRPC server (Ray's GCS) does at once."""
-    import socket
-
     connection.settimeout(timeout_s)
     empty_settings = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # length 0, type SETTINGS, no flags, stream 0
-    connection.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + empty_settings)
     header = b""
     try:
+        connection.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + empty_settings)
         while len(header) < 9:
             more = connection.recv(9 - len(header))
             if not more:
                 break
             header += more
-    except socket.timeout:
+    except OSError:  # a timeout, or a peer that resets on these bytes: it answers, but not as gRPC
         return False
     return len(header) == 9 and header[3] == 4
 
@@ -209,7 +211,7 @@ def start_ray(config: ServeConfig) -> None:
             # 'auto' with no cluster running, or ray:// without Ray's client installed: Ray's own
             # words, as a message rather than a traceback.
             raise ClusterUnreachable(f"cannot join the Ray cluster at --address {config.address}: "
-                                     f"{str(error).strip().splitlines()[0]}") from None
+                                     f"{' '.join(str(error).split()) or type(error).__name__}") from None
     else:
         ray.init(include_dashboard=False, log_to_driver=False, num_cpus=max(2, config.prefill_workers + config.decode_workers))
 

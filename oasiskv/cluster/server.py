@@ -49,8 +49,9 @@ def build_service(config: ServeConfig) -> ClusterService:
         resolve_model(config.decode.drafter)  # a draft model that does not exist is named before Ray starts
     check_local_gpus(config)
     model_config = ModelConfig.from_dir(model_dir)
+    tokenizer = load_tokenizer(model_dir)  # a file it cannot read is named before Ray starts
     handles = launch(config)
-    return ClusterService(config, handles, load_tokenizer(model_dir), store_bytes_per_token(config, model_config),
+    return ClusterService(config, handles, tokenizer, store_bytes_per_token(config, model_config),
                           model_config.max_position_embeddings, eos_token_ids=model_config.eos_token_ids)
 
 

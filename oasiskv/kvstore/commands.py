@@ -21,7 +21,7 @@ def add_arguments_kvstore(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     parser.add_argument("--no-hugepages", action="store_true", help="do not madvise huge pages for the arena")
     parser.add_argument("--no-prefault", action="store_true", help="do not touch the arena at start")
-    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+    parser.add_argument("--log-level", default="WARNING", type=str.upper, choices=("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL"),
                         help="how much the store logs")
 
 

@@ -66,8 +66,9 @@ class CacheLayout:
             path.parent.mkdir(parents=True, exist_ok=True)
             handle = open(path, "w")
         except OSError as error:
-            raise ModelError(f"cannot use the model cache at {self.root} (${ENV_VAR}, or `oasiskv models "
-                             f"--cache-dir`): {error.strerror or error}") from None
+            raise ModelError(f"cannot use the model cache at {self.root}: {error.strerror or error}; point "
+                             f"${ENV_VAR} (or `oasiskv models pull --cache-dir`) at a folder this user can "
+                             "write") from None
         with handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             try:

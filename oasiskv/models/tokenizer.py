@@ -15,6 +15,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from .chat_templates import developer_as_system
+from .errors import CorruptModelError
 
 
 class ChatTokenizer:
@@ -101,7 +102,10 @@ def require_unicode(text: str) -> None:
 
 def load_tokenizer(model_dir: str | Path) -> ChatTokenizer:
     model_dir = Path(model_dir)
-    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    try:
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise CorruptModelError(model_dir / "tokenizer.json", f"not a readable tokenizer ({error})") from None
     config = _read_json(model_dir / "tokenizer_config.json")
     if not config.get("chat_template") and (model_dir / "chat_template.jinja").is_file():
         config["chat_template"] = (model_dir / "chat_template.jinja").read_text()  # transformers 5 layout

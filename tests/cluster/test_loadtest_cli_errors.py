@@ -257,6 +257,22 @@ def test_an_initial_test_answered_200_with_no_events_says_what_was_expected(serv
     assert "POST /v1/chat/completions: stream ended before [DONE]; expected an OpenAI" in line, line
 
 
+@pytest.mark.parametrize("status, message, hint", [
+    (401, "invalid or missing API key", "; check --api-key"),
+    (404, "The model `mm` does not exist.", "; check --model"),
+    (400, "max_tokens (128) exceeds the model's context of 64 tokens", ""),
+])
+def test_an_initial_test_refused_by_an_openai_server_gives_its_reason_and_the_flag(server, capsys, status, message,
+                                                                                    hint):
+    """An OpenAI-compatible server's refusal was followed by advice to check --base-url and
+    --endpoint, which were right."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
+    server.post = lambda handler, payload: reply(handler, status, body, "application/json")
+    assert run_bench(parse("--base-url", server.url, "--model", "m", *SMALL)) == 1
+    line = capsys.readouterr().err.strip()
+    assert line.endswith(f"POST /v1/completions: HTTP {status}: {message}{hint}"), line
+
+
 # --- arguments ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, flag", [
@@ -333,7 +349,7 @@ def test_ctrl_c_before_the_run_says_so(server, tmp_path):
 def test_ctrl_c_mid_run_reports_and_saves_the_partial_results(server, tmp_path):
     server.post = fast_or_slow(server)
     code, out, err = interrupt_bench(server, tmp_path, ["fast", "slow", "fast", "slow"], 4, "--skip-initial-test")
-    # once: exit 130, nothing printed, nothing saved
+    # it exited 130 having printed and saved nothing
     assert code == 130, err
     assert "interrupted after" in err and "2 of 4 requests ended, 2 cancelled in flight, 0 not sent" in err, err
     assert "Traceback" not in err
@@ -367,3 +383,25 @@ def test_a_cancelled_run_passes_the_cancellation_on_with_its_results(server):
     assert not unsent.sent and unsent.error == "not sent: interrupted"
     assert 0.3 <= stop.duration < 30
     assert len(server.posts) == 2
+
+
+def test_requests_waiting_for_a_concurrency_slot_when_cut_short_were_not_sent(server):
+    """They counted as cancelled in flight, so failed, though the server never saw them."""
+    server.post = fast_or_slow(server)
+    requests = [BenchRequest("slow", 1, 2)] + [BenchRequest("fast", 1, 2)] * 4
+    config = RunConfig(base_url=server.url, api_key=None, options=RequestOptions(model="m"), max_concurrency=1)
+
+    async def main():
+        run = asyncio.create_task(run_requests(requests, np.zeros(len(requests)), config))
+        while not server.posts:
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        run.cancel()
+        with pytest.raises(RunInterrupted) as stopped:
+            await run
+        return stopped.value.results
+
+    slow, *queued = asyncio.run(main())
+    assert slow.sent and slow.error == "cancelled: interrupted"
+    assert [(r.sent, r.error) for r in queued] == [(False, "not sent: interrupted")] * 4
+    assert len(server.posts) == 1

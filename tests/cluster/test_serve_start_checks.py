@@ -71,6 +71,63 @@ def test_an_address_that_answers_but_is_not_a_ray_head_fails_fast():
         assert time.monotonic() - started < 5
 
 
+def _settings_answering_server(family=socket.AF_INET, host="127.0.0.1"):
+    """A listener that answers each connection's HTTP/2 preface with a SETTINGS frame, as any gRPC
+    server (a Ray GCS) does; its port."""
+    import threading
+
+    server = socket.socket(family)
+    server.bind((host, 0))
+    server.listen()
+
+    def serve():
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                return
+            with connection:
+                connection.recv(64)
+                connection.sendall(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server
+
+
+def test_a_port_that_answers_as_grpc_passes_in_every_address_form():
+    """The probe must let a Ray GCS through (tests/cluster/test_multi_node.py joins a real one), as
+    HOST:PORT with an IPv4 address, a name, or an IPv6 address in brackets as Ray writes it."""
+    with _settings_answering_server() as server:
+        port = server.getsockname()[1]
+        check_cluster_answers(f"127.0.0.1:{port}", timeout_s=5)
+        check_cluster_answers(f"localhost:{port}", timeout_s=5)
+    if socket.has_ipv6:
+        try:
+            server = _settings_answering_server(socket.AF_INET6, "::1")
+        except OSError:
+            return  # no IPv6 loopback here
+        with server:
+            check_cluster_answers(f"[::1]:{server.getsockname()[1]}", timeout_s=5)
+
+
+def test_a_port_that_resets_the_probe_is_said_to_answer_but_not_as_ray():
+    import threading
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def reset_once():
+            connection, _ = server.accept()
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            connection.recv(5)
+            connection.close()  # with linger 0: a reset
+
+        threading.Thread(target=reset_once, daemon=True).start()
+        with pytest.raises(ClusterUnreachable, match="answers, but not as a Ray head's GCS"):
+            check_cluster_answers(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=5)
+
+
 def test_a_ray_client_address_without_ray_client_is_a_message_not_a_traceback():
     import importlib.util
 

@@ -110,13 +110,28 @@ def _damaged_copy(model_dir: Path, tmp_path: Path, name: str, content: bytes) ->
     ("config.json", b"[1, 2]", "config.json: expected a JSON object, got list"),
     ("config.json", b"{}", "config.json: model_type None is not supported"),
     ("config.json", b'{"model_type": "llama"}', "config.json: missing field 'num_hidden_layers'"),
-    ("tokenizer.json", b"garbage", "tokenizer.json: not a readable tokenizer"),
     ("model.safetensors", b"\x10\x00", "model.safetensors: not a readable safetensors file"),
 ])
 def test_a_damaged_model_directory_names_the_file(smollm2_dir, tmp_path, name, content, problem):
     """Each was a traceback from json, safetensors or tokenizers, or a Ray worker that failed to start."""
     with pytest.raises(ModelError, match=re.escape(problem)):
         resolve_model(_damaged_copy(smollm2_dir, tmp_path, name, content))
+
+
+def test_a_config_field_of_the_wrong_shape_is_named_not_a_traceback(smollm2_dir, tmp_path):
+    import json
+
+    config = json.loads((smollm2_dir / "config.json").read_text()) | {"rope_parameters": "x"}
+    copy = _damaged_copy(smollm2_dir, tmp_path, "config.json", json.dumps(config).encode())
+    with pytest.raises(ModelError, match="config.json: 'str' object has no attribute"):
+        resolve_model(copy)
+
+
+def test_an_unreadable_tokenizer_is_named_where_it_is_loaded(smollm2_dir, tmp_path):
+    from oasiskv.models.tokenizer import load_tokenizer
+
+    with pytest.raises(CorruptModelError, match="tokenizer.json: not a readable tokenizer"):
+        load_tokenizer(_damaged_copy(smollm2_dir, tmp_path, "tokenizer.json", b"garbage"))
 
 
 def test_a_truncated_weights_file_is_named(smollm2_dir, tmp_path):

@@ -237,9 +237,28 @@ async def _initial_test(config: RunConfig, request) -> str | None:
     where = f"POST {ENDPOINT_PATHS[config.options.endpoint]}"
     if not result.http_status:  # no answer at all: the address is what to check
         return f"{where}: {_one_line(result.error)}"
+    refusal = _openai_error_message(result.error)
+    if refusal is not None or result.error.startswith("stream error:"):
+        # An OpenAI-compatible server that refused the request: its reason, and the flag behind it.
+        hint = ("; check --api-key" if result.http_status in (401, 403) else
+                "; check --model" if result.http_status == 404 and "model" in (refusal or "").lower() else "")
+        return f"{where}: {_one_line(result.error if refusal is None else f'HTTP {result.http_status}: {refusal}')}{hint}"
     # An answer, but not OpenAI's (a web page, say): its first characters, not all of it.
     return (f"{where}: {_one_line(result.error)}; expected an OpenAI-compatible streamed answer "
             "(HTTP 200, server-sent events 'data: {...}' ending with 'data: [DONE]'): check --base-url and --endpoint")
+
+
+def _openai_error_message(error: str) -> str | None:
+    """The message of an OpenAI-style error body ('HTTP 401: {"error": {"message": ...}}'), if
+    `error` holds one."""
+    _, _, body = error.partition(": ")
+    try:
+        detail = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    if isinstance(detail, dict) and isinstance(detail.get("message"), str):
+        return detail["message"]
+    return detail if isinstance(detail, str) else None
 
 
 def _progress(total: int, disabled: bool):
@@ -289,7 +308,7 @@ async def _serve(args: argparse.Namespace) -> int:
         unsent = sum(not r.sent for r in results)
         print(f"oasiskv bench serve: interrupted after {duration:.1f} s: {len(results) - cut - unsent} of "
               f"{len(results)} requests ended, {cut} cancelled in flight, {unsent} not sent; the results are "
-              "partial" + (" (saved, marked partial)" if args.save_result else ""), file=sys.stderr)
+              "partial" + (" (saved below, marked partial)" if args.save_result else ""), file=sys.stderr)
     if counter.exact:  # after the run: tokenizing between chunks would delay other requests' timestamps
         count_unreported_output_tokens(results, counter.count)
 

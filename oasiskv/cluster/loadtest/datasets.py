@@ -155,8 +155,8 @@ def jsonl_requests(path: Path, n: int, default_output_len: int,
         try:
             line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
         except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column "
-                             f"{exc.start + 1}); JSONL files are UTF-8") from None
+            raise ValueError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[exc.start]:02x}, byte "
+                             f"{exc.start + 1} of the line); JSONL files are UTF-8") from None
         if not line.strip():
             continue
         try:

@@ -86,6 +86,9 @@ async def run_requests(requests: Sequence[BenchRequest], offsets: np.ndarray, co
     connections = min(len(requests), config.max_concurrency) if config.max_concurrency else None
     allow_open_files((connections or len(requests)) + _SPARE_FILE_DESCRIPTORS)
     results: dict[int, RequestResult] = {}
+    # Sent: past its --max-concurrency slot. A request still waiting for one when the run was cut
+    # short was never sent, though its task had begun.
+    started: set[int] = set()
 
     async with make_client(config, connections) as client:
         clock_zero = time.perf_counter()
@@ -103,8 +106,10 @@ async def run_requests(requests: Sequence[BenchRequest], offsets: np.ndarray, co
         async def one(index: int, request: BenchRequest) -> None:
             if slots is not None:
                 async with slots:
+                    started.add(index)
                     result = await send(index, request)
             else:
+                started.add(index)
                 result = await send(index, request)
             results[index] = result
             on_done(result)
@@ -137,7 +142,7 @@ async def run_requests(requests: Sequence[BenchRequest], offsets: np.ndarray, co
     ordered = []
     for index, request in enumerate(requests):
         if index not in results:
-            sent = index < len(tasks)
+            sent = index in started
             results[index] = RequestResult(
                 index=index, prompt_len=request.prompt_len, max_tokens=request.max_tokens, sent=sent,
                 error=f"cancelled: {why}" if sent else f"not sent: {why}")
