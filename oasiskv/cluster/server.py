@@ -112,7 +112,9 @@ class DrainingServer(uvicorn.Server):
 def run_server(config: ServeConfig) -> None:
     require_free_port(config.host, config.port)
     service = build_service(config)
-    log.info("serving %s on http://%s:%d", config.model_name, config.host, config.port)
+    # Port 0 is a free port the system picks when uvicorn binds: uvicorn's own line names it.
+    log.info("serving %s on http://%s:%s", config.model_name, config.host,
+             config.port or "(a free port: see uvicorn's 'running on' line)")
     # Without a graceful-shutdown limit uvicorn waits for every open stream, and under Kubernetes
     # the pod is killed first: no request is aborted and the lifespan never shuts the cluster down.
     DrainingServer(uvicorn.Config(make_app(service), host=config.host, port=config.port, log_level="info",
