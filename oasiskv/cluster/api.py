@@ -488,7 +488,7 @@ class _Merged:
         self._queue: asyncio.Queue = asyncio.Queue()
         self.choices = self._left = len(starts)
         self._not_accepted = set(range(self.choices))
-        self._first_event_seen = False
+        self._any_event_seen = False
         self._started = asyncio.get_running_loop().create_future()
         # Read here too: a non-streamed response never awaits it, and asyncio would log its error.
         self._started.add_done_callback(lambda done: done.cancelled() or done.exception())
@@ -499,27 +499,27 @@ class _Merged:
         self._pumps = [asyncio.ensure_future(self._pump(i, events)) for i, events in enumerate(self._streams)]
 
     async def started(self) -> None:
-        """Every choice is accepted (past the router's refusals; a choice's first event or end
-        counts too) and some choice has its first event, or every choice has ended; raises the
-        first error before that. The response's status is known then: a choice that waits for
-        room in a store does not hold back its siblings' first bytes (vLLM streams each choice as
-        it comes), and an error of a choice after this travels in the stream."""
+        """Every choice is accepted (assigned or waiting for room in a store; a choice's first
+        event or end counts too) and some choice has its first event, or every choice has ended;
+        raises the first error before that. The response's status is known then: a choice that
+        waits for room in a store does not hold back its siblings' first bytes (vLLM streams each
+        choice as it comes), and an error of a choice after this travels in the stream."""
         await asyncio.shield(self._started)
 
     def accepted(self, index: int) -> None:
         self._not_accepted.discard(index)
-        if not self._started.done() and not self._not_accepted and self._first_event_seen:
+        if not self._started.done() and not self._not_accepted and self._any_event_seen:
             self._started.set_result(None)
 
-    def _first_event(self, index: int) -> None:
-        if index in self._not_accepted or not self._first_event_seen:
-            self._first_event_seen = True
+    def _event_seen(self, index: int) -> None:
+        if index in self._not_accepted or not self._any_event_seen:
+            self._any_event_seen = True
             self.accepted(index)
 
     async def _pump(self, index: int, events) -> None:
         try:
             async for event in events:
-                self._first_event(index)
+                self._event_seen(index)
                 await self._queue.put((index, event, None))
                 if event.finished:
                     break
@@ -531,7 +531,7 @@ class _Merged:
                 self._started.set_exception(exc)
             await self._queue.put((index, None, exc))
             return
-        self._first_event(index)  # an end counts as a first event (a stream of none)
+        self._event_seen(index)  # an end counts as a first event (a stream of none)
         await self._queue.put((index, None, None))
 
     def __aiter__(self):

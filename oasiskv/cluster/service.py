@@ -194,7 +194,8 @@ class ClusterService:
         large share of a store, was refused while the decode queue had room. `on_accepted` is
         called once the request is assigned or begins to wait for room: past the refusals a
         request meets on arrival. A waiting one may still time out, be cancelled, meet a server
-        that stops, or be refused when the workers it needs fail meanwhile."""
+        that stops, or be refused at the head of the line (every decode pool full and the decode
+        queue at its limit, or a role left without a healthy worker)."""
         if not self._store_waiters:
             try:
                 assignment = self.router.assign(request_id, prompt_tokens, rows, store_bytes)
@@ -207,8 +208,8 @@ class ClusterService:
                     self._release(assignment)
                     raise
                 return assignment
-        # Refused now rather than after a wait that could never end in room.
-        self.router.check_servable(rows, store_bytes)
+        else:  # behind others, refused now rather than after a wait that could never end in room
+            self.router.check_servable(rows, store_bytes)
         if self.queued >= self.config.max_queued_requests:
             raise Overloaded("every KV store is full and the queue is at its limit", retry_after_s=2, status=503)
         ticket = object()
@@ -250,8 +251,9 @@ class ClusterService:
                        mode: str | None = None, budget_tokens: int | None = None,
                        on_accepted: Callable[[], None] = lambda: None) -> AsyncIterator[Event]:
         """Raises Overloaded / TooLarge before anything is started; then yields Events.
-        `on_accepted` is called when the request is past those refusals, which may be long before
-        its first event: it may wait for room in a store."""
+        `on_accepted` is called when the request is past the refusals it meets on arrival, which
+        may be long before its first event: it may wait for room in a store, and be refused at the
+        head of that line still (`_assign`)."""
         c = self.config.decode
         rows = self.rows_needed(len(prompt_ids), params.max_tokens, mode, budget_tokens)
         store_bytes = self.store_bytes_needed(len(prompt_ids), params.max_tokens)

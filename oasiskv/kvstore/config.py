@@ -71,6 +71,10 @@ class KVStoreConfig(BaseModel):
             self.__dict__["capacity_gb"] = None
         elif self.capacity_bytes < CHUNK_ALIGN:
             raise ValueError(f"capacity_bytes ({self.capacity_bytes}) is under one {CHUNK_ALIGN}-byte chunk")
+        return self
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> "KVStoreConfig":
         if self.port and self.metrics_port == self.port:
             raise ValueError(f"metrics_port ({self.port}) is the store's own port; the store and its /metrics need a port each")
         return self

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from .allocator import ExtentAllocator
-from .config import GIB, MAX_CAPACITY_GB, KVStoreConfig
+from .config import CHUNK_ALIGN, GIB, MAX_CAPACITY_GB, KVStoreConfig
 from .errors import BlockOutOfRange, InvalidArgument, KVStoreError, RequestExists, StoreFull, UnknownRequest
 from .hostmem import HostBuffer, alloc_host_buffer, copy_units, merge_runs
-from .layout import CHUNK_ALIGN, KVLayout, broadcast_units
+from .layout import KVLayout, broadcast_units
 from .metrics import StoreMetrics
 from .summary import QuantizedSummaries, read_as, summarize_keys, summary_read_dtype
 

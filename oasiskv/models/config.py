@@ -11,10 +11,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import CorruptModelError, ModelError
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "gemma3_text")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ModelError, ValueError):
     """The checkpoint's architecture is not one the runtime implements."""
 
 
@@ -103,7 +105,23 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        return cls.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+        """Every problem with the file is named with it: a garbled or unsupported config.json was
+        a traceback from json, or a KeyError, inside whatever loaded the model first."""
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as error:
+            raise CorruptModelError(path, f"not a readable JSON file ({error})") from None
+        if not isinstance(raw, dict):
+            raise CorruptModelError(path, f"expected a JSON object, got {type(raw).__name__}")
+        try:
+            return cls.from_dict(raw)
+        except UnsupportedModelError as error:
+            raise UnsupportedModelError(f"{path}: {error}") from None
+        except KeyError as error:
+            raise CorruptModelError(path, f"missing field {error}") from None
+        except (AttributeError, TypeError, ValueError) as error:  # a field of the wrong shape
+            raise CorruptModelError(path, str(error)) from None
 
 
 def _rope_params(raw: dict, layer_type: str | None) -> dict:

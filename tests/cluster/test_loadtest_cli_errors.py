@@ -116,7 +116,8 @@ SMALL = ("--num-prompts", "2", "--random-input-len", "4", "--random-output-len",
 
 # --- where the results go ----------------------------------------------------------------------------
 
-def test_a_result_filename_whose_folder_cannot_be_made_is_refused_before_the_run(server, tmp_path, capsys):
+def test_a_result_filename_that_cannot_be_written_is_refused_before_the_run(server, tmp_path, capsys):
+    """Its folder cannot be made, it names no file, or a folder stands where it goes."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     for name in ("/proc/nope/x.json",  # absolute: --result-dir plays no part; once found after the run
@@ -191,7 +192,6 @@ def test_a_model_listing_that_fails_or_is_empty_says_so(server, capsys):
     server.models = {"object": "list", "data": []}
     assert run_bench(parse("--base-url", server.url, *SMALL)) == 1
     assert "lists no models; pass --model" in capsys.readouterr().err
-    server.models = None  # not a dict: answered 404 below
     server.answer = lambda handler, method: handler.send_error(404)
     assert run_bench(parse("--base-url", server.url, *SMALL)) == 1
     err = capsys.readouterr().err
@@ -207,6 +207,23 @@ def test_a_jsonl_file_that_is_not_utf8_is_named_with_its_line(server, tmp_path, 
     assert run_bench(args) == 2
     err = capsys.readouterr().err
     assert f"{prompts}:3: not UTF-8" in err and "0xff" in err, err  # once only "'utf-8' codec can't decode"
+    assert server.posts == []
+
+
+def test_a_bad_byte_on_a_first_line_after_a_bom_is_named_at_its_own_offset(server, tmp_path, capsys):
+    """The offset was counted after the BOM and read before it: 'byte 0x63, byte 16'."""
+    prompts = tmp_path / "bom.jsonl"
+    prompts.write_bytes(b'\xef\xbb\xbf{"prompt": "caf\xff"}\n')
+    args = parse("--base-url", server.url, "--model", "m", "--dataset", "jsonl", "--jsonl-path", str(prompts))
+    assert run_bench(args) == 2
+    assert f"{prompts}:1: not UTF-8 text (byte 0xff, byte 16 of the line)" in capsys.readouterr().err
+
+
+def test_a_result_filename_without_save_result_is_refused(server, tmp_path, capsys):
+    """The run went ahead and its results were quietly not written."""
+    args = parse("--base-url", server.url, "--model", "m", *SMALL, "--result-filename", str(tmp_path / "r.json"))
+    assert run_bench(args) == 2
+    assert "--result-filename is written only with --save-result" in capsys.readouterr().err
     assert server.posts == []
 
 
@@ -257,20 +274,38 @@ def test_an_initial_test_answered_200_with_no_events_says_what_was_expected(serv
     assert "POST /v1/chat/completions: stream ended before [DONE]; expected an OpenAI" in line, line
 
 
-@pytest.mark.parametrize("status, message, hint", [
-    (401, "invalid or missing API key", "; check --api-key"),
-    (404, "The model `mm` does not exist.", "; check --model"),
-    (400, "max_tokens (128) exceeds the model's context of 64 tokens", ""),
+LONG_REFUSAL = ("This model's maximum context length is 64 tokens. However, you requested 132 tokens (4 in the "
+                "messages, 128 in the completion). Please reduce the length of the messages or completion. " * 3)
+
+
+@pytest.mark.parametrize("status, message, hint, shape", [
+    (401, "invalid or missing API key", "; check --api-key", "nested"),
+    (404, "The model `mm` does not exist.", "; check --model", "nested"),
+    (400, "max_tokens (128) exceeds the model's context of 64 tokens", "", "nested"),
+    (400, LONG_REFUSAL, "", "nested"),  # past the 300 characters an error keeps of a body
+    (400, "max_tokens is too large", "", "flat"),  # vLLM's older {"object": "error", "message": ...}
 ])
 def test_an_initial_test_refused_by_an_openai_server_gives_its_reason_and_the_flag(server, capsys, status, message,
-                                                                                    hint):
+                                                                                    hint, shape):
     """An OpenAI-compatible server's refusal was followed by advice to check --base-url and
     --endpoint, which were right."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
+    error = {"message": message, "type": "invalid_request_error", "code": status}
+    body = json.dumps({"error": error} if shape == "nested" else {"object": "error", **error}).encode()
     server.post = lambda handler, payload: reply(handler, status, body, "application/json")
     assert run_bench(parse("--base-url", server.url, "--model", "m", *SMALL)) == 1
     line = capsys.readouterr().err.strip()
-    assert line.endswith(f"POST /v1/completions: HTTP {status}: {message}{hint}"), line
+    said = " ".join(f"HTTP {status}: {message}".split())
+    said = said if len(said) <= 200 else said[:200] + "..."  # one line of 200 characters at most
+    assert line.endswith(f"POST /v1/completions: {said}{hint}"), line
+
+
+def test_a_model_listing_refused_for_its_key_names_the_key(server, capsys):
+    """It read '...answered HTTP 401 ...; pass --model, or check --base-url'."""
+    body = json.dumps({"error": {"message": "invalid or missing API key", "type": "authentication_error"}}).encode()
+    server.answer = lambda handler, method: reply(handler, 401, body, "application/json")
+    assert run_bench(parse("--base-url", server.url, *SMALL)) == 1
+    err = capsys.readouterr().err
+    assert "GET /v1/models answered HTTP 401: invalid or missing API key; check --api-key" in err, err
 
 
 # --- arguments ---------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ import torch
 
 from oasiskv.kvstore import BlockOutOfRange, InvalidArgument, KVLayout, StoreFull, pack_layer, pack_request
 from oasiskv.kvstore.allocator import ExtentAllocator
-from oasiskv.kvstore.layout import CHUNK_ALIGN, broadcast_units
+from oasiskv.kvstore.config import CHUNK_ALIGN
+from oasiskv.kvstore.layout import broadcast_units
 
 
 def test_sizes_documented_in_layout():

@@ -113,7 +113,7 @@ def _damaged_copy(model_dir: Path, tmp_path: Path, name: str, content: bytes) ->
     ("model.safetensors", b"\x10\x00", "model.safetensors: not a readable safetensors file"),
 ])
 def test_a_damaged_model_directory_names_the_file(smollm2_dir, tmp_path, name, content, problem):
-    """Each was a traceback from json, safetensors or tokenizers, or a Ray worker that failed to start."""
+    """Each was a traceback from json or safetensors, or a Ray worker that failed to start."""
     with pytest.raises(ModelError, match=re.escape(problem)):
         resolve_model(_damaged_copy(smollm2_dir, tmp_path, name, content))
 

@@ -19,10 +19,10 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0,
     if n < 0:
         raise ValueError("n must be >= 0")
     if not (burstiness > 0 and math.isfinite(burstiness)):
-        raise ValueError(f"--burstiness (the gamma shape of the arrival gaps) must be a finite number > 0, "
+        raise ValueError(f"burstiness (the gamma shape of the arrival gaps) must be a finite number > 0, "
                          f"not {burstiness:g}")
     if not request_rate > 0:
-        raise ValueError(f"--request-rate must be > 0 (inf: all at once), not {request_rate:g}")
+        raise ValueError(f"request rate must be > 0 (inf: all at once), not {request_rate:g}")
     if n == 0 or math.isinf(request_rate):
         return np.zeros(n)
     rng = rng if rng is not None else np.random.default_rng()
@@ -32,6 +32,6 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0,
         offsets = np.concatenate(([0.0], np.cumsum(gaps)))
     if not np.all(np.isfinite(offsets)):
         # e.g. a tiny rate times a tiny burstiness: the gaps' scale overflows
-        raise ValueError(f"--request-rate {request_rate:g} with --burstiness {burstiness:g} gives send times "
-                         "that are not finite numbers")
+        raise ValueError(f"request rate {request_rate:g} with burstiness {burstiness:g} gives send times "
+                         "that are not finite numbers (the arrival gaps' scale overflows)")
     return offsets

@@ -20,9 +20,9 @@ import numpy as np
 
 from .arrivals import arrival_offsets
 from .datasets import TokenCounter, build_requests
-from .report import format_report, result_record, save_json
+from .report import format_report, record_json, result_record, save_json
 from .runner import RunConfig, RunInterrupted, make_client, run_requests
-from .sse import ENDPOINT_PATHS, RequestOptions, count_unreported_output_tokens, send_request
+from .sse import ENDPOINT_PATHS, RequestOptions, count_unreported_output_tokens, openai_error_message, send_request
 from .stats import parse_goodput, summarize, timeline
 
 MAX_PROMPTS = 1_000_000
@@ -121,8 +121,18 @@ def _check_args(args: argparse.Namespace) -> tuple[dict, list[float]]:
         raise ValueError("--max-concurrency must be >= 1")
     if not (args.max_duration > 0 and args.request_timeout > 0):
         raise ValueError("--max-duration and --request-timeout must be > 0")
+    if not args.request_rate > 0:
+        raise ValueError(f"--request-rate must be > 0 (inf: all at once), not {args.request_rate:g}")
+    if not (args.burstiness > 0 and math.isfinite(args.burstiness)):
+        raise ValueError(f"--burstiness (the gamma shape of the arrival gaps) must be a finite number > 0, "
+                         f"not {args.burstiness:g}")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), not {args.random_range_ratio:g}")
     if args.dataset == "jsonl" and not args.jsonl_path:
         raise ValueError("--dataset jsonl needs --jsonl-path")
+    if args.result_filename is not None and not args.save_result:
+        raise ValueError("--result-filename is written only with --save-result: add --save-result, or leave "
+                         "--result-filename out")
     # A flag read only by another dataset would be ignored, and the run quietly use other prompts.
     for flag, value, dataset in (("--jsonl-path", args.jsonl_path, "jsonl"), ("--files-dir", args.files_dir, "files")):
         if value is not None and args.dataset != dataset:
@@ -163,8 +173,8 @@ def _check_result_path(args: argparse.Namespace) -> None:
             raise ValueError(f"--result-filename {name!r} names no file")
     if name is None or not Path(name).is_absolute():
         checks.append(("--result-dir", Path(args.result_dir)))
-    target = _result_path(args, "x")
-    if name is not None and Path(name).parent != Path("."):
+    target = Path(args.result_dir) / name if name is not None else None  # as _result_path names it
+    if target is not None and Path(name).parent != Path("."):
         checks.append(("--result-filename", target.parent))
     for flag, folder in checks:
         try:
@@ -175,7 +185,7 @@ def _check_result_path(args: argparse.Namespace) -> None:
             tempfile.TemporaryFile(dir=folder).close()  # a real write: root passes os.access everywhere
         except OSError as exc:
             raise ValueError(f"{flag}: cannot write in the folder {str(folder)!r}: {exc}") from exc
-    if name is not None and target.exists() and (target.is_dir() or not os.access(target, os.W_OK)):
+    if target is not None and target.exists() and (target.is_dir() or not os.access(target, os.W_OK)):
         raise ValueError(f"--result-filename: {str(target)!r} exists and is not a file this user can write")
 
 
@@ -186,7 +196,7 @@ def _check_input_lengths(args: argparse.Namespace) -> None:
                     "files": ("--files-input-len", args.files_input_len)}.get(args.dataset, (None, 0))
     if name is None:
         return
-    ratio = args.random_range_ratio if args.dataset == "random" and 0 <= args.random_range_ratio < 1 else 0.0
+    ratio = args.random_range_ratio if args.dataset == "random" else 0.0
     longest = int(length * (1 + ratio))
     if longest > MAX_PROMPT_TOKENS:
         raise ValueError(f"{name} {length} makes prompts of up to {longest} tokens; the limit is "
@@ -211,6 +221,10 @@ async def _discover_model(config: RunConfig) -> str:
         response = await client.get("/v1/models")
     body = response.text
     if not response.is_success:
+        refusal = openai_error_message(body)
+        if refusal is not None:
+            raise ValueError(f"GET /v1/models answered HTTP {response.status_code}: {_one_line(refusal)}"
+                             f"{_hint(response.status_code, refusal) or '; pass --model'}")
         raise ValueError(f"GET /v1/models answered HTTP {response.status_code}: {_one_line(body)!r}; "
                          "pass --model, or check --base-url")
     try:
@@ -237,28 +251,22 @@ async def _initial_test(config: RunConfig, request) -> str | None:
     where = f"POST {ENDPOINT_PATHS[config.options.endpoint]}"
     if not result.http_status:  # no answer at all: the address is what to check
         return f"{where}: {_one_line(result.error)}"
-    refusal = _openai_error_message(result.error)
-    if refusal is not None or result.error.startswith("stream error:"):
+    if result.server_message is not None:
         # An OpenAI-compatible server that refused the request: its reason, and the flag behind it.
-        hint = ("; check --api-key" if result.http_status in (401, 403) else
-                "; check --model" if result.http_status == 404 and "model" in (refusal or "").lower() else "")
-        return f"{where}: {_one_line(result.error if refusal is None else f'HTTP {result.http_status}: {refusal}')}{hint}"
+        said = result.error if result.http_status == 200 else f"HTTP {result.http_status}: {result.server_message}"
+        return f"{where}: {_one_line(said)}{_hint(result.http_status, result.server_message)}"
     # An answer, but not OpenAI's (a web page, say): its first characters, not all of it.
     return (f"{where}: {_one_line(result.error)}; expected an OpenAI-compatible streamed answer "
             "(HTTP 200, server-sent events 'data: {...}' ending with 'data: [DONE]'): check --base-url and --endpoint")
 
 
-def _openai_error_message(error: str) -> str | None:
-    """The message of an OpenAI-style error body ('HTTP 401: {"error": {"message": ...}}'), if
-    `error` holds one."""
-    _, _, body = error.partition(": ")
-    try:
-        detail = json.loads(body).get("error")
-    except (ValueError, AttributeError):
-        return None
-    if isinstance(detail, dict) and isinstance(detail.get("message"), str):
-        return detail["message"]
-    return detail if isinstance(detail, str) else None
+def _hint(status: int, refusal: str) -> str:
+    """The flag behind an OpenAI-compatible server's refusal, where one is."""
+    if status in (401, 403):
+        return "; check --api-key"
+    if status == 404 and "model" in refusal.lower():
+        return "; check --model"
+    return ""
 
 
 def _progress(total: int, disabled: bool):
@@ -273,7 +281,10 @@ async def _serve(args: argparse.Namespace) -> int:
         rng = np.random.default_rng(args.seed)
         counter = TokenCounter(args.tokenizer)
         requests = build_requests(args, rng, counter)
-        offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, rng)
+        try:
+            offsets = arrival_offsets(len(requests), args.request_rate, args.burstiness, rng)
+        except ValueError as exc:  # each flag was checked alone; together they can still overflow
+            raise ValueError(f"--request-rate and --burstiness together: {exc}") from None
     except (ValueError, OSError) as exc:
         print(f"oasiskv bench serve: {exc}", file=sys.stderr)
         return 2
@@ -303,16 +314,16 @@ async def _serve(args: argparse.Namespace) -> int:
         except RunInterrupted as stop:  # Ctrl-C: asyncio.run cancelled this task; report what finished
             asyncio.current_task().uncancel()
             results, duration, interrupted = stop.results, stop.duration, True
-    if interrupted:
-        cut = sum(r.sent and r.error.startswith("cancelled:") for r in results)
-        unsent = sum(not r.sent for r in results)
-        print(f"oasiskv bench serve: interrupted after {duration:.1f} s: {len(results) - cut - unsent} of "
-              f"{len(results)} requests ended, {cut} cancelled in flight, {unsent} not sent; the results are "
-              "partial" + (" (saved below, marked partial)" if args.save_result else ""), file=sys.stderr)
     if counter.exact:  # after the run: tokenizing between chunks would delay other requests' timestamps
         count_unreported_output_tokens(results, counter.count)
 
     summary = summarize(results, duration, slos, percentiles)
+    if interrupted:
+        cut = summary["errors"].get("cancelled", 0)
+        print(f"oasiskv bench serve: interrupted after {duration:.1f} s: "
+              f"{summary['completed'] + summary['failed'] - cut} of {len(results)} requests ended, {cut} cancelled in "
+              f"flight, {summary['not_sent']} not sent; the results are partial"
+              + (" (saved below, marked partial)" if args.save_result else ""), file=sys.stderr)
     run_config = {
         "base_url": config.base_url, "endpoint": args.endpoint, "model": config.options.model,
         "dataset": args.dataset, "num_prompts": args.num_prompts, "request_rate": args.request_rate,
@@ -359,14 +370,14 @@ def _save_record(record: dict, path: Path) -> Path | None:
     try:
         with tempfile.NamedTemporaryFile("w", prefix=f"{path.stem}-", suffix=".json", delete=False) as file:
             fallback = Path(file.name)
-            file.write(json.dumps(record, indent=2) + "\n")
+            file.write(record_json(record))
     except OSError as exc:
         if fallback is not None:
             with contextlib.suppress(OSError):
                 fallback.unlink()  # half written
         print(f"oasiskv bench serve: nor to the temporary folder ({exc}); the JSON record follows on stdout",
               file=sys.stderr)
-        print(json.dumps(record, indent=2))
+        print(record_json(record), end="")
         return None
     print(f"oasiskv bench serve: the results are in {fallback} instead", file=sys.stderr)
     return fallback

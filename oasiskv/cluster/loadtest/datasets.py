@@ -9,6 +9,8 @@ tokenizer.json, or a directory holding one) lengths are exact.
 
 from __future__ import annotations
 
+import codecs
+
 import json
 import sysconfig
 from collections.abc import Callable
@@ -85,7 +87,7 @@ class TokenCounter:
 def sample_lengths(mean: int, range_ratio: float, n: int, rng: np.random.Generator) -> np.ndarray:
     """n lengths drawn uniformly from [mean * (1 - r), mean * (1 + r)], at least 1."""
     if not 0 <= range_ratio < 1:
-        raise ValueError(f"--random-range-ratio must be in [0, 1), not {range_ratio:g}")
+        raise ValueError(f"range ratio must be in [0, 1), not {range_ratio:g}")
     low, high = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
     return rng.integers(low, high + 1, size=n)
 
@@ -151,9 +153,9 @@ def jsonl_requests(path: Path, n: int, default_output_len: int,
     prompts = []
     # Lines end at "\n" (JSON Lines), not wherever str.splitlines ends one: a JSON string may hold
     # a raw U+2028 or form feed. Each line is decoded alone, so bad bytes are named by line.
-    for number, raw in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
+    for number, raw in enumerate(Path(path).read_bytes().removeprefix(codecs.BOM_UTF8).split(b"\n"), start=1):
         try:
-            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise ValueError(f"{path}:{number}: not UTF-8 text (byte 0x{raw[exc.start]:02x}, byte "
                              f"{exc.start + 1} of the line); JSONL files are UTF-8") from None

@@ -99,7 +99,12 @@ def result_record(summary: dict, config: dict, timeline: dict, results: Sequence
                    "requests": requests})
 
 
+def record_json(record: dict) -> str:
+    """A result record as saved: indented JSON, one final newline."""
+    return json.dumps(record, indent=2) + "\n"
+
+
 def save_json(record: dict, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    path.write_text(record_json(record))
     return path

@@ -5,6 +5,7 @@ flight are cancelled). Only `base_url` is contacted, and redirects are not follo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -88,7 +89,7 @@ async def run_requests(requests: Sequence[BenchRequest], offsets: np.ndarray, co
     results: dict[int, RequestResult] = {}
     # Sent: past its --max-concurrency slot. A request still waiting for one when the run was cut
     # short was never sent, though its task had begun.
-    started: set[int] = set()
+    sent_indexes: set[int] = set()
 
     async with make_client(config, connections) as client:
         clock_zero = time.perf_counter()
@@ -104,12 +105,8 @@ async def run_requests(requests: Sequence[BenchRequest], offsets: np.ndarray, co
                                      error=f"client error: {type(exc).__name__}: {exc}")
 
         async def one(index: int, request: BenchRequest) -> None:
-            if slots is not None:
-                async with slots:
-                    started.add(index)
-                    result = await send(index, request)
-            else:
-                started.add(index)
+            async with slots or contextlib.nullcontext():
+                sent_indexes.add(index)
                 result = await send(index, request)
             results[index] = result
             on_done(result)
@@ -142,7 +139,7 @@ async def run_requests(requests: Sequence[BenchRequest], offsets: np.ndarray, co
     ordered = []
     for index, request in enumerate(requests):
         if index not in results:
-            sent = index in started
+            sent = index in sent_indexes
             results[index] = RequestResult(
                 index=index, prompt_len=request.prompt_len, max_tokens=request.max_tokens, sent=sent,
                 error=f"cancelled: {why}" if sent else f"not sent: {why}")

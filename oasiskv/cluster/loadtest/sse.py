@@ -31,6 +31,27 @@ _ERROR_BODY_CHARS = 300
 _EVENT_QUOTE_CHARS = 80
 
 
+def openai_error_message(body: str | dict) -> str | None:
+    """The message of an OpenAI-style error answer, or None if `body` is not one: OpenAI's and
+    vLLM's {"error": {"message": ...}} (or {"error": "..."}), and vLLM's older flat
+    {"object": "error", "message": ...}."""
+    if isinstance(body, str):
+        try:
+            body = json.loads(body)
+        except ValueError:
+            return None
+    if not isinstance(body, dict):
+        return None
+    error = body.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return error["message"]
+    if isinstance(error, str):
+        return error
+    if body.get("object") == "error" and isinstance(body.get("message"), str):
+        return body["message"]
+    return None
+
+
 @dataclass
 class RequestResult:
     index: int
@@ -39,7 +60,8 @@ class RequestResult:
     success: bool = False
     error: str = ""
     http_status: int = 0
-    sent: bool = True               # False: --max-duration ended the run before its send time
+    server_message: str | None = None  # an OpenAI-compatible server's own reason for an error
+    sent: bool = True               # False: the run ended (--max-duration, Ctrl-C) before it went out
     start: float = math.nan         # seconds since the benchmark started
     ttft: float = math.nan
     e2e: float = math.nan
@@ -157,6 +179,7 @@ async def send_request(client: httpx.AsyncClient, index: int, request: BenchRequ
                 if response.status_code != 200:
                     body = (await response.aread()).decode(errors="replace")
                     result.error = f"HTTP {response.status_code}: {body[:_ERROR_BODY_CHARS]}"
+                    result.server_message = openai_error_message(body)
                     return result
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
@@ -167,9 +190,8 @@ async def send_request(client: httpx.AsyncClient, index: int, request: BenchRequ
                         break
                     chunk = json.loads(data)
                     if isinstance(chunk, dict) and chunk.get("error") is not None:
-                        error = chunk["error"]
-                        result.error = "stream error: " + (
-                            str(error.get("message", error)) if isinstance(error, dict) else str(error))
+                        result.server_message = openai_error_message(chunk) or str(chunk["error"])
+                        result.error = "stream error: " + result.server_message
                         return result
                     _check_chunk(chunk, options.endpoint)
                     now = time.perf_counter()
