@@ -71,6 +71,11 @@ class ServeConfig(BaseModel):
         "its model), as Kubernetes restarts a container that fails its liveness probe",
     )
     prefill_chunk_tokens: int = Field(1024, ge=16)
+    prefix_cache_gb: float = Field(
+        1.0, ge=0, description="host memory each prefill worker keeps of recent prompts' KV, so a prompt that begins as "
+        "an earlier one did (a chat's next turn, a document asked again, the other choices of n > 1) is computed from "
+        "where they part; 0 turns it off. The oasiskv prefill engine only (vLLM prefill workers run without one)",
+    )
     summary_kind: Literal[SUMMARY_KINDS] = Field(
         DEFAULT_SUMMARY_KIND, description=f"how the stores summarize each block's keys for the sparse modes, one of "
         f"{list(SUMMARY_KINDS)} (kvstore/summary.py); the prefill names it in each request's layout",

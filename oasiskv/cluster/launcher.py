@@ -256,15 +256,16 @@ def launch(config: ServeConfig) -> ClusterHandles:
         from ..prefill_node.vllm_worker import VLLMPrefillWorker
 
         prefill_cls = _actor_class(VLLMPrefillWorker)
-        prefill_extra = (config.vllm_kv_cache_gb, config.vllm_max_model_len)
+        prefill_extra, prefill_options = (config.vllm_kv_cache_gb, config.vllm_max_model_len), {}
     else:
         prefill_cls = _actor_class(PrefillWorker)
-        prefill_extra = ()
+        prefill_extra, prefill_options = (), {"prefix_cache_gb": config.prefix_cache_gb}
     decode_cls = _actor_class(DecodeWorker)
     prefill = [
         WorkerSlot(f"prefill-{i}", prefill_cls.options(**_options(config, "prefill", max_concurrency=8, max_restarts=-1)).remote(
             config.model, config.dtype, config.decode.block_size, config.prefill_chunk_tokens, threads, config.transport,
-            *prefill_extra, summary_kind=config.summary_kind, device=config.device, role_resource=role_resource("prefill")))
+            *prefill_extra, summary_kind=config.summary_kind, device=config.device, role_resource=role_resource("prefill"),
+            **prefill_options))
         for i in range(config.prefill_workers)
     ]
     decode = [

@@ -55,6 +55,11 @@ class ServingMetrics:
                                        "they reported themselves broken", ["role", "worker"], registry=r)
         self.prompt_tokens = Counter("oasiskv_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("oasiskv_generation_tokens", "generated tokens", registry=r)
+        # As vLLM's prefix_cache_queries / prefix_cache_hits: hits / queries is the share of prompt tokens not computed.
+        self.prefix_cache_queries = Counter("oasiskv_prefix_cache_queries", "prompt tokens the prefill workers looked up "
+                                            "in their prefix caches", registry=r)
+        self.prefix_cache_hits = Counter("oasiskv_prefix_cache_hits", "prompt tokens the prefill workers found in their "
+                                         "prefix caches (their KV copied, not computed)", registry=r)
         self.worker_stats: dict[str, dict] = {}  # decode worker name -> last stats()
         self.store_stats: dict[str, dict] = {}  # store name -> last stats()
         self.health: dict[tuple[str, str], bool] = {}  # (role, worker) -> healthy

@@ -291,6 +291,9 @@ class ClusterService:
             result = await deadline.wait(_await(prefill_ref))
             prefilled = True
             self.router.prefill_done(assignment)
+            if self.config.prefill_engine == "oasiskv" and self.config.prefix_cache_gb > 0:
+                m.prefix_cache_queries.inc(len(prompt_ids))
+                m.prefix_cache_hits.inc(result.cached_tokens)
             stream = assignment.decode.handle.generate.options(num_returns="streaming").remote(
                 result, asdict(params), assignment.store_address, mode, budget_tokens
             )

@@ -29,6 +29,7 @@ from ..models.sampling import (
 )
 from ..models.transformer import DecoderModel
 from .cancellation import raise_if
+from .prefix_cache import PrefixCache
 
 log = logging.getLogger("oasiskv.prefill")
 
@@ -44,6 +45,7 @@ class PrefillResult:
     initial_selection: torch.Tensor
     kv_bytes_written: int
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
+    cached_tokens: int = 0  # the prompt's beginning taken from the prefix cache, not computed
 
 
 def kv_layout_for(model: DecoderModel, block_size: int = 16, summary_kind: str = DEFAULT_SUMMARY_KIND) -> KVLayout:
@@ -93,8 +95,9 @@ class _CapturingAttention(PagedAttention):
 
 class Prefiller:
     def __init__(self, model: DecoderModel, client, block_size: int = 16, chunk_tokens: int = 1024,
-                 summary_kind: str = DEFAULT_SUMMARY_KIND, tokenizer=None):
+                 summary_kind: str = DEFAULT_SUMMARY_KIND, tokenizer=None, prefix_cache: PrefixCache | None = None):
         self.model = model
+        self.prefix_cache = prefix_cache
         self.client = client
         self.layout = kv_layout_for(model, block_size, summary_kind)
         self.chunk_tokens = chunk_tokens
@@ -137,6 +140,7 @@ class Prefiller:
         table = cache.allocator.allocate(num_blocks)
         slots = torch.arange(num_tokens, device=device)  # blocks 0..n-1 in order: slot == position
         self.client.allocate(request_id, layout, num_tokens)
+        cached = 0
         handles = []
         selections: dict[int, torch.Tensor] = {}
 
@@ -152,7 +156,8 @@ class Prefiller:
 
         backend = _CapturingAttention(cache, config.sliding_window, config.softmax_scale, ship_layer)
         try:
-            for start in range(0, num_tokens, self.chunk_tokens):
+            cached = self._load_prefix(prompt_ids, cache)
+            for start in range(cached, num_tokens, self.chunk_tokens):
                 raise_if(cancelled, request_id)
                 end = min(num_tokens, start + self.chunk_tokens)
                 backend.final_chunk = end == num_tokens
@@ -174,5 +179,19 @@ class Prefiller:
             raise
         selection = torch.stack([selections[layer] for layer in range(config.num_layers)])
         self.client.release(request_id)  # the decode node takes it over; its free reuses the memory at once
+        if self.prefix_cache is not None:
+            try:
+                self.prefix_cache.insert(prompt_ids, cache.k, cache.v)
+            except (RuntimeError, MemoryError) as error:  # out of memory: the request is done all the same
+                log.warning("prefix cache kept nothing of %s: %r", request_id, error)
         written = num_blocks * config.num_layers * config.num_kv_heads * layout.unit_bytes
-        return PrefillResult(request_id, list(prompt_ids), first, layout, selection, written, first_logprob)
+        return PrefillResult(request_id, list(prompt_ids), first, layout, selection, written, first_logprob, cached)
+
+    def _load_prefix(self, prompt_ids: list[int], cache: PagedKVCache) -> int:
+        """Copy the prompt's cached beginning into `cache` (slot == position); returns its tokens."""
+        if self.prefix_cache is None:
+            return 0
+        hit = self.prefix_cache.lookup(prompt_ids)
+        for layer in range(len(cache.k) if hit.tokens else 0):
+            cache.k[layer][:, :hit.tokens], cache.v[layer][:, :hit.tokens] = hit.layer(layer)
+        return hit.tokens

@@ -3,7 +3,9 @@ store the router names, and returns the first token plus the predicted working s
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 
 import torch
 
@@ -16,13 +18,16 @@ from ..models.sampling import SamplingParams
 from ..models.tokenizer import load_tokenizer
 from .cancellation import Cancellations, raise_if
 from .prefill import Prefiller, PrefillResult
+from .prefix_cache import PrefixCache
 
 
 class PrefillWorker:
     def __init__(self, model: str, dtype: str = "float32", block_size: int = 16, chunk_tokens: int = 1024,
                  threads: int | None = None, transport: str = "auto",
-                 summary_kind: str = DEFAULT_SUMMARY_KIND, device: str = "cpu", role_resource: str | None = None):
+                 summary_kind: str = DEFAULT_SUMMARY_KIND, device: str = "cpu", role_resource: str | None = None,
+                 prefix_cache_gb: float = 0.0):
         require_device(device)  # before minutes of model loading
+        _check_prefix_cache_fits(prefix_cache_gb)
         chosen = worker_threads(threads, role_resource)
         if chosen:
             torch.set_num_threads(chosen)
@@ -35,6 +40,8 @@ class PrefillWorker:
         self.transport = transport
         self.summary_kind = summary_kind
         self._prefillers: dict[str, Prefiller] = {}
+        # One cache for every store: a prompt's KV is the same whichever store it is written to.
+        self.prefix_cache = PrefixCache(int(prefix_cache_gb * 2**30), block_size)
         self._lock = threading.Lock()  # one prefill at a time: it uses every core it is given
         self.cancellations = Cancellations()
 
@@ -45,7 +52,7 @@ class PrefillWorker:
         if store_address not in self._prefillers:
             client = connect(store_address, transport=self.transport)
             self._prefillers[store_address] = Prefiller(self.model, client, self.block_size, self.chunk_tokens,
-                                                        self.summary_kind, self.tokenizer)
+                                                        self.summary_kind, self.tokenizer, self.prefix_cache)
         return self._prefillers[store_address]
 
     def prefill(self, request_id: str, prompt_ids: list[int], params: dict, store_address: str,
@@ -68,3 +75,27 @@ class PrefillWorker:
             self._prefiller(store_address).client.free(request_id)
         except Exception:  # already freed by the decode side, or expired
             pass
+
+
+def _memory_limit_bytes() -> int | None:
+    """This process's memory: the machine's, or its cgroup's limit (a pod's) where lower."""
+    try:
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+    try:
+        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if text.isdigit():
+            limit = min(limit, int(text))
+    except OSError:
+        pass
+    return limit
+
+
+def _check_prefix_cache_fits(prefix_cache_gb: float) -> None:
+    """A cache is filled as prompts come; one the memory cannot hold would end in the OOM killer
+    hours later, so it is refused when the worker starts."""
+    limit = _memory_limit_bytes()
+    if limit is not None and prefix_cache_gb * 2**30 >= limit:
+        raise ValueError(f"--prefix-cache-gb {prefix_cache_gb:g} is more than this prefill worker's memory "
+                         f"({limit / 2**30:.1f} GiB), which also holds its model and the prompt it prefills")

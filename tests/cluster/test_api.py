@@ -541,6 +541,32 @@ def test_a_request_past_its_timeout_ends_and_is_freed_everywhere(server, client,
     assert client.completions.create(model=DEFAULT_MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
 
 
+def test_a_prompt_that_begins_as_an_earlier_one_is_prefilled_from_where_they_part(server, client, smollm2_llm):
+    """A chat's next turn and the other choices of n > 1: the prefill worker takes the blocks the
+    earlier prompt left in its prefix cache; the text is still the engine's."""
+    registry = server.service.metrics.registry
+
+    def counted() -> tuple[float, float]:
+        return (registry.get_sample_value("oasiskv_prefix_cache_queries_total") or 0.0,
+                registry.get_sample_value("oasiskv_prefix_cache_hits_total") or 0.0)
+
+    source = smollm2_llm.encode(stdlib_source("heapq.py"))
+    first, second = source[:400], source[:650]
+    before = counted()
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=first, max_tokens=6, temperature=0)
+    assert out.choices[0].text == _expected(smollm2_llm, first, 6)
+    assert counted() == (before[0] + 400, before[1])  # nothing of it was seen before
+
+    before = counted()
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=second, max_tokens=6, temperature=0, n=2)
+    expected = _expected(smollm2_llm, second, 6)
+    assert [choice.text for choice in out.choices] == [expected, expected]
+    queries, hits = counted()
+    assert queries == before[0] + 2 * 650
+    # One choice finds the first prompt's 25 blocks, the other every block but the last.
+    assert hits == before[1] + 400 + 640
+
+
 def test_metrics_count_requests_and_tokens(server, client):
     client.completions.create(model=DEFAULT_MODEL, prompt="hello", max_tokens=4, temperature=0)
     asyncio.run(server.service.poll_once())

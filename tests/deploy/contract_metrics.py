@@ -18,6 +18,7 @@ ROLES = {"prefill": ("prefill-0",), "decode": WORKERS, "store": STORES}
 # Base names of the contract, as prometheus_client exposes them.
 COUNTERS = [
     "oasiskv_requests_total", "oasiskv_prompt_tokens_total", "oasiskv_generation_tokens_total",
+    "oasiskv_prefix_cache_hits_total",
     "oasiskv_decode_blocks_fetched_total", "oasiskv_decode_bytes_fetched_total",
     "oasiskv_decode_admission_bytes_fetched_total", "oasiskv_decode_summary_bytes_fetched_total",
     "oasiskv_prefetch_hits_total", "oasiskv_prefetch_misses_total", "oasiskv_prefetch_waits_total",
@@ -49,9 +50,10 @@ class ContractExporter:
         self.requests = Counter("oasiskv_requests", "Finished requests", ["status"], registry=r)
         self.prompt_tokens = Counter("oasiskv_prompt_tokens", "Prompt tokens", registry=r)
         self.generation_tokens = Counter("oasiskv_generation_tokens", "Generated tokens", registry=r)
+        self.prefix_cache_hits = Counter("oasiskv_prefix_cache_hits", "Prompt tokens from prefix caches", registry=r)
         per_worker = {
             name: Counter(name.removesuffix("_total"), name, ["worker"], registry=r)
-            for name in COUNTERS[3:]
+            for name in COUNTERS[4:]
         }
         self.per_worker = per_worker
         self.latency = {name: Histogram(name, name, registry=r) for name in HISTOGRAMS}
@@ -75,6 +77,7 @@ class ContractExporter:
             self.requests.labels(status).inc(n)
         self.prompt_tokens.inc(4096)
         self.generation_tokens.inc(256)
+        self.prefix_cache_hits.inc(2048)
         for worker in WORKERS:
             for counter in self.per_worker.values():
                 counter.labels(worker).inc(10)
