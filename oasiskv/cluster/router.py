@@ -51,7 +51,7 @@ class Assignment:
     prefill: WorkerSlot
     decode: WorkerSlot
     store: WorkerSlot
-    prompt_tokens: int
+    prompt_tokens: int  # what the prefill worker is charged: the prompt, less what its prefix cache likely holds
     rows: int
     store_bytes: int
     queued: bool = False
@@ -84,7 +84,10 @@ class Router:
         if store_bytes > max(s.capacity for s in self.stores):
             raise TooLarge(f"the request needs {store_bytes} bytes of KV store; the largest store holds {max(s.capacity for s in self.stores)}")
 
-    def assign(self, request_id: str, prompt_tokens: int, rows: int, store_bytes: int) -> Assignment:
+    def assign(self, request_id: str, prompt_tokens: int, rows: int, store_bytes: int,
+               prefill_hint: tuple[str, int] | None = None) -> Assignment:
+        """`prefill_hint`: (prefill worker, tokens) whose prefix cache likely holds that many of the
+        prompt's first tokens."""
         self.check_servable(rows, store_bytes)
         healthy_decode = [w for w in self.decode if w.healthy]
         # A worker whose engine runs max_num_seqs requests already makes a new one wait as a full
@@ -103,13 +106,26 @@ class Router:
         if not stores:
             raise StoresFull()
         store = min(stores, key=lambda s: s.load)
-        prefill = min((w for w in self.prefill if w.healthy), key=lambda w: (w.load, w.active))
-        for slot, load in ((prefill, prompt_tokens), (decode, rows), (store, store_bytes)):
+        prefill, prefill_tokens = self._pick_prefill(prompt_tokens, prefill_hint)
+        for slot, load in ((prefill, prefill_tokens), (decode, rows), (store, store_bytes)):
             slot.load += load
             slot.active += 1
         self.queued += queued
-        return Assignment(request_id, prefill, decode, store, prompt_tokens, rows, store_bytes, queued,
+        return Assignment(request_id, prefill, decode, store, prefill_tokens, rows, store_bytes, queued,
                           store_address=store.address)
+
+    def _pick_prefill(self, prompt_tokens: int, hint: tuple[str, int] | None) -> tuple[WorkerSlot, int]:
+        """(worker, tokens it will compute): the least loaded healthy prefill worker, or the hinted
+        one where that finishes no later: its queued tokens plus what the prompt leaves to
+        compute past its cached beginning, against the least loaded one's plus the whole prompt."""
+        healthy = [w for w in self.prefill if w.healthy]
+        least = min(healthy, key=lambda w: (w.load, w.active))
+        if hint is not None:
+            name, cached = hint
+            preferred = next((w for w in healthy if w.name == name), None)
+            if preferred is not None and preferred.load <= least.load + cached:
+                return preferred, prompt_tokens - cached
+        return least, prompt_tokens
 
     def prefill_done(self, a: Assignment) -> None:
         a.prefill.load -= a.prompt_tokens

@@ -19,6 +19,7 @@ from ..models.sampling import SamplingParams, TokenLogprob
 from .config import ServeConfig
 from .launcher import HEALTH_GROUP, ClusterHandles
 from .metrics import ServingMetrics
+from .prefix_affinity import PrefixAffinity
 from .router import Overloaded, Router, StoresFull
 
 log = logging.getLogger("oasiskv.cluster")
@@ -50,6 +51,10 @@ class ClusterService:
         self.max_model_len = max_model_len
         self.metrics = ServingMetrics()
         self.router = Router(handles.prefill, handles.decode, handles.stores, config.max_queued_requests)
+        # With several prefill workers each has its own prefix cache: a prompt goes, load allowing,
+        # to the one that prefilled its beginning.
+        self.prefix_affinity = (PrefixAffinity() if len(handles.prefill) > 1 and config.prefix_cache_gb > 0
+                                and config.prefill_engine == "oasiskv" else None)
         # The decode engine's set (the model's and the tokenizer's), so that the prefill's token is
         # shown as the decode worker will show it (`_first_token_text`).
         self.eos_token_ids = set(eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
@@ -186,7 +191,7 @@ class ClusterService:
         return self.router.queued + len(self._store_waiters)
 
     async def _assign(self, request_id: str, prompt_tokens: int, rows: int, store_bytes: int, deadline: "_Deadline",
-                      on_accepted: Callable[[], None] = lambda: None):
+                      on_accepted: Callable[[], None] = lambda: None, prefill_hint: str | None = None):
         """The router's assignment; a request that finds every store full waits for room (the
         stores free a request's KV when it ends), first come first served, within the queue's
         limit and the request's timeout, as one that finds every decode pool full waits in a
@@ -198,7 +203,7 @@ class ClusterService:
         queue at its limit, or a role left without a healthy worker)."""
         if not self._store_waiters:
             try:
-                assignment = self.router.assign(request_id, prompt_tokens, rows, store_bytes)
+                assignment = self.router.assign(request_id, prompt_tokens, rows, store_bytes, prefill_hint)
             except StoresFull:
                 pass
             else:
@@ -219,7 +224,7 @@ class ClusterService:
             while True:
                 if self._store_waiters[0] is ticket:
                     try:
-                        return self.router.assign(request_id, prompt_tokens, rows, store_bytes)
+                        return self.router.assign(request_id, prompt_tokens, rows, store_bytes, prefill_hint)
                     except StoresFull:
                         pass
                 left = deadline.at - time.monotonic()
@@ -262,14 +267,19 @@ class ClusterService:
         deadline = _Deadline(self.config.request_timeout_s, self._stop_signal())
         started = time.perf_counter()  # TTFT and E2E count a wait for room in a store, as a client sees it
         m = self.metrics
+        affinity = self.prefix_affinity
+        hint = affinity.worker_for(prompt_ids) if affinity is not None else None
         try:
-            assignment = await self._assign(request_id, len(prompt_ids), rows, store_bytes, deadline, on_accepted)
+            assignment = await self._assign(request_id, len(prompt_ids), rows, store_bytes, deadline, on_accepted,
+                                            hint)
         except TimeoutError:  # waited for store room until the deadline: an error, as a later timeout is
             m.requests.labels(status="error").inc()
             raise
         except (asyncio.CancelledError, GeneratorExit, ShuttingDown):  # the client hung up, or the server stops
             m.requests.labels(status="abort").inc()
             raise
+        if affinity is not None:
+            affinity.remember(prompt_ids, assignment.prefill.name)
         # Running: being prefilled or decoded. A queued request (every pool or seat was full)
         # joins it when its decode engine takes it in; it was counted as running and queued at once.
         running = not assignment.queued

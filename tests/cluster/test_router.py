@@ -92,3 +92,25 @@ def test_no_healthy_decode_worker_is_503():
     with pytest.raises(Overloaded) as info:
         router.assign("a", 1, 1, 1)
     assert info.value.status == 503
+
+
+def test_a_prefill_hint_is_followed_while_it_finishes_no_later_than_the_least_loaded():
+    router = _router()
+    first = router.assign("first", prompt_tokens=1000, rows=1, store_bytes=1)
+    assert first.prefill.name == "p0" and first.prefill.load == 1000
+    # p0 holds 992 of the prompt: 1000 queued + 8 to compute there, against 0 + 1000 on p1.
+    behind = router.assign("behind", prompt_tokens=1000, rows=1, store_bytes=1, prefill_hint=("p0", 992))
+    assert behind.prefill.name == "p1" and behind.prompt_tokens == 1000
+    # Now p0 (1000 queued) is no further behind the least loaded (p1, 1000) than what it holds.
+    hinted = router.assign("hinted", prompt_tokens=1000, rows=1, store_bytes=1, prefill_hint=("p0", 992))
+    assert hinted.prefill.name == "p0" and hinted.prompt_tokens == 8 and hinted.prefill.load == 1008
+    router.prefill_done(hinted)
+    assert router.prefill[0].load == 1000
+    # A hint naming a worker that is down, or none of them, is the least loaded.
+    router.prefill[0].healthy = False
+    assert router.assign("down", 1000, 1, 1, prefill_hint=("p0", 992)).prefill.name == "p1"
+    router.prefill[0].healthy = True
+    assert router.assign("unknown", 100, 1, 1, prefill_hint=("p9", 64)).prompt_tokens == 100
+    for a in (first, behind, hinted):
+        router.release(a)
+

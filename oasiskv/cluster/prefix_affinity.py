@@ -1,0 +1,68 @@
+"""Which prefill worker last prefilled a prompt's beginning, so that a prompt that begins the same
+way (a chat's next turn, the other choices of n > 1) can go where that worker's prefix cache
+holds its KV.
+
+Each prompt is remembered under hashes of its first 64, 128, 256, ... tokens and of all its
+whole 16-token blocks before its last token (the most a prefix cache can serve), and a lookup
+takes the longest of those a remembered prompt shares: at least half of what the two share, all
+of it for the same prompt again. Beginnings shorter than 64 tokens are not used: a system prompt
+every conversation shares would send them all to one worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+MIN_TOKENS = 64
+BLOCK_TOKENS = 16
+
+
+def prefix_keys(prompt_ids: list[int]) -> list[tuple[int, bytes]]:
+    """(tokens, hash of the prompt's first that many tokens): 64, 128, 256, ... and the prompt's
+    whole blocks before its last token, shortest first."""
+    usable = (len(prompt_ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    lengths = []
+    length = MIN_TOKENS
+    while length < usable:
+        lengths.append(length)
+        length *= 2
+    if usable >= MIN_TOKENS:
+        lengths.append(usable)
+    keys, digest, done = [], hashlib.blake2b(digest_size=16), 0
+    for length in lengths:
+        digest.update(array("q", prompt_ids[done:length]).tobytes())
+        # The length is part of the key: the first 64 tokens of one prompt and the whole of
+        # another are not the same beginning, though their bytes so far are.
+        keys.append((length, digest.copy().digest() + length.to_bytes(8, "little")))
+        done = length
+    return keys
+
+
+class PrefixAffinity:
+    def __init__(self, max_entries: int = 65536):
+        if max_entries < 1:
+            raise ValueError(f"max_entries must be at least 1, got {max_entries}")
+        self.max_entries = max_entries
+        self._owners: OrderedDict[bytes, str] = OrderedDict()  # least recently used first
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    def worker_for(self, prompt_ids: list[int]) -> tuple[str, int] | None:
+        """(worker, tokens): the worker that last prefilled the longest remembered beginning of
+        the prompt, and that beginning's length."""
+        for length, key in reversed(prefix_keys(prompt_ids)):
+            worker = self._owners.get(key)
+            if worker is not None:
+                self._owners.move_to_end(key)
+                return worker, length
+        return None
+
+    def remember(self, prompt_ids: list[int], worker: str) -> None:
+        for _, key in prefix_keys(prompt_ids):
+            self._owners[key] = worker
+            self._owners.move_to_end(key)
+        while len(self._owners) > self.max_entries:
+            self._owners.popitem(last=False)
