@@ -124,6 +124,13 @@ class ServeConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _prefix_cache_needs_the_oasiskv_prefill(self) -> "ServeConfig":
+        if self.prefill_engine == "vllm" and "prefix_cache_gb" in self.model_fields_set and self.prefix_cache_gb > 0:
+            raise ValueError("prefix_cache_gb is the oasiskv prefill engine's; vLLM prefill workers run without a "
+                             "prefix cache (leave it out, or give 0)")
+        return self
+
+    @model_validator(mode="after")
     def _vllm_installed(self) -> "ServeConfig":
         if self.prefill_engine == "vllm":
             from ..prefill_node.vllm_worker import require_vllm

@@ -3,7 +3,7 @@ way (a chat's next turn, the other choices of n > 1) can go where that worker's 
 holds its KV.
 
 Each prompt is remembered under hashes of its first 64, 128, 256, ... tokens and of all its
-whole 16-token blocks before its last token (the most a prefix cache can serve), and a lookup
+whole blocks before its last token (the most a prefix cache can serve), and a lookup
 takes the longest of those a remembered prompt shares: at least half of what the two share, all
 of it for the same prompt again. Beginnings shorter than 64 tokens are not used: a system prompt
 every conversation shares would send them all to one worker.
@@ -16,13 +16,12 @@ from array import array
 from collections import OrderedDict
 
 MIN_TOKENS = 64
-BLOCK_TOKENS = 16
 
 
-def prefix_keys(prompt_ids: list[int]) -> list[tuple[int, bytes]]:
+def prefix_keys(prompt_ids: list[int], block_tokens: int = 16) -> list[tuple[int, bytes]]:
     """(tokens, hash of the prompt's first that many tokens): 64, 128, 256, ... and the prompt's
-    whole blocks before its last token, shortest first."""
-    usable = (len(prompt_ids) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    whole blocks (of the prefix caches' `block_tokens`) before its last token, shortest first."""
+    usable = (len(prompt_ids) - 1) // block_tokens * block_tokens
     lengths = []
     length = MIN_TOKENS
     while length < usable:
@@ -41,10 +40,11 @@ def prefix_keys(prompt_ids: list[int]) -> list[tuple[int, bytes]]:
 
 
 class PrefixAffinity:
-    def __init__(self, max_entries: int = 65536):
+    def __init__(self, max_entries: int = 65536, block_tokens: int = 16):
         if max_entries < 1:
             raise ValueError(f"max_entries must be at least 1, got {max_entries}")
         self.max_entries = max_entries
+        self.block_tokens = block_tokens
         self._owners: OrderedDict[bytes, str] = OrderedDict()  # least recently used first
 
     def __len__(self) -> int:
@@ -53,7 +53,7 @@ class PrefixAffinity:
     def worker_for(self, prompt_ids: list[int]) -> tuple[str, int] | None:
         """(worker, tokens): the worker that last prefilled the longest remembered beginning of
         the prompt, and that beginning's length."""
-        for length, key in reversed(prefix_keys(prompt_ids)):
+        for length, key in reversed(prefix_keys(prompt_ids, self.block_tokens)):
             worker = self._owners.get(key)
             if worker is not None:
                 self._owners.move_to_end(key)
@@ -61,7 +61,7 @@ class PrefixAffinity:
         return None
 
     def remember(self, prompt_ids: list[int], worker: str) -> None:
-        for _, key in prefix_keys(prompt_ids):
+        for _, key in prefix_keys(prompt_ids, self.block_tokens):
             self._owners[key] = worker
             self._owners.move_to_end(key)
         while len(self._owners) > self.max_entries:

@@ -96,11 +96,11 @@ def add_arguments_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-grace-s", type=float, default=30.0,
                         help="on SIGTERM or Ctrl-C, how long requests in flight may run on before they are aborted "
                              "and the cluster is shut down")
-    parser.add_argument("--prefix-cache-gb", type=float, default=1.0,
+    parser.add_argument("--prefix-cache-gb", type=float, default=None,
                         help="host memory each prefill worker keeps of recent prompts' KV, in whole blocks, so a prompt "
                              "that begins as an earlier one did (a chat's next turn, a document asked again, the other "
-                             "choices of n > 1) is prefilled from where they part (0: off; the oasiskv prefill engine "
-                             "only)")
+                             "choices of n > 1) is prefilled from where they part (default 1; 0: off; the oasiskv "
+                             "prefill engine only)")
     parser.add_argument("--prefill-engine", choices=["oasiskv", "vllm"], default="oasiskv",
                         help="'vllm': prefill with vLLM (the vllm extra) through OasisKVConnector")
     parser.add_argument("--vllm-kv-cache-gb", type=float, default=1.0, help="vLLM prefill workers' own KV cache")
@@ -126,13 +126,15 @@ def config_from_args(args: argparse.Namespace):
                   gpus_per_worker=args.gpus_per_worker,
                   threads_per_worker=args.threads_per_worker, max_queued_requests=args.max_queued_requests,
                   request_timeout_s=args.request_timeout_s, start_timeout_s=args.start_timeout_s,
-                  shutdown_grace_s=args.shutdown_grace_s, prefix_cache_gb=args.prefix_cache_gb,
+                  shutdown_grace_s=args.shutdown_grace_s,
                   prefill_engine=args.prefill_engine,
                   vllm_kv_cache_gb=args.vllm_kv_cache_gb, vllm_max_model_len=args.vllm_max_model_len)
     if args.api_key:
         fields["api_key"] = args.api_key
     if args.summary_kind:
         fields["summary_kind"] = args.summary_kind
+    if args.prefix_cache_gb is not None:  # left unset, so that the vLLM engine can refuse it only when given
+        fields["prefix_cache_gb"] = args.prefix_cache_gb
     if args.device:
         fields["device"] = args.device
     return ServeConfig(**fields)

@@ -9,6 +9,11 @@ block found before it (by a serial number no other block ever gets), so the whol
 checked token by token and a collision, even a crafted one, is a miss, never another prompt's
 KV. Eviction is least recently used, block by block; a prompt's blocks are touched last block
 first, so a prefix outlives the blocks that extend it.
+
+The KV lives in one slab of `capacity_bytes // bytes per block` slots, allocated at the first
+insert and filled as blocks come (the OS commits its pages on first touch): a block a tensor of
+its own left the allocator's holes between live blocks, and the worker's memory grew to 1.5-2.6x
+the capacity. Blocks move in and out a layer at a time for all of a prompt's blocks at once.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import count
 
 import torch
@@ -30,22 +35,24 @@ class _Block:
     serial: int  # never reused: a block that takes an evicted one's key is not its children's parent
     parent_serial: int
     tokens: tuple[int, ...]
-    keys: torch.Tensor  # [layers, kv_heads, block_size, head_dim]
-    values: torch.Tensor
+    slot: int  # in the slab
 
 
 @dataclass
 class PrefixHit:
-    """The cached beginning of a prompt: `tokens` tokens in whole blocks, first to last."""
+    """The cached beginning of a prompt: `tokens` tokens, in these slots of the slab, first to last."""
 
     tokens: int
-    blocks: list[_Block] = field(default_factory=list)
+    slots: torch.Tensor | None = None
+    slab: torch.Tensor | None = None  # [slots, layers, 2, kv_heads, block_size, head_dim]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's K and V of the hit, [kv_heads, tokens, head_dim] each: a layer at a time,
         so a long hit is never copied whole a second time."""
-        return (torch.cat([block.keys[layer] for block in self.blocks], dim=1),
-                torch.cat([block.values[layer] for block in self.blocks], dim=1))
+        kv = self.slab[self.slots, layer]  # [blocks, 2, kv_heads, block_size, head_dim]
+        blocks, _, heads, size, dim = kv.shape
+        kv = kv.permute(1, 2, 0, 3, 4).reshape(2, heads, blocks * size, dim)
+        return kv[0], kv[1]
 
 
 class PrefixCache:
@@ -56,9 +63,10 @@ class PrefixCache:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.capacity_bytes = int(capacity_bytes)
         self.block_size = block_size
-        self.used_bytes = 0
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # least recently used first
         self._serials = count(_ROOT_SERIAL + 1)
+        self._slab: torch.Tensor | None = None
+        self._free_slots: list[int] = []
 
     @property
     def enabled(self) -> bool:
@@ -106,7 +114,7 @@ class PrefixCache:
         if not found:
             return PrefixHit(0)
         self._touch(chain, len(found))
-        return PrefixHit(len(found) * self.block_size, found)
+        return PrefixHit(len(found) * self.block_size, torch.tensor([b.slot for b in found]), self._slab)
 
     def insert(self, prompt_ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> int:
         """Keep the KV of `prompt_ids`' full blocks; `keys[layer]` / `values[layer]` are
@@ -116,44 +124,66 @@ class PrefixCache:
         if not self.enabled:
             return 0
         size = self.block_size
+        slab = self._slab_for(keys)
+        if slab is None:
+            return 0
         chain = self._chain(prompt_ids, len(prompt_ids) // size)
         matched = self._matched(chain)
         have = len(matched)
-        per_block = 2 * sum(k[:, :size].numel() * k.element_size() for k in keys)
-        fits = min(len(chain), self.capacity_bytes // per_block) if per_block else 0
+        fits = min(len(chain), slab.shape[0])
         self._touch(chain, min(have, fits))
         if have >= fits:
             return 0
         # Old blocks go first; never this prompt's own beginning, touched just above.
         keep = {key for key, _ in chain[:have]}
-        while self.used_bytes + (fits - have) * per_block > self.capacity_bytes:
-            victim = next((key for key in self._blocks if key not in keep), None)
-            if victim is None:
-                break
+        while len(self._free_slots) < fits - have:
+            victim = next(key for key in self._blocks if key not in keep)
             self._evict(victim)
         parent_serial = matched[-1].serial if matched else _ROOT_SERIAL
-        added = 0
-        for b in range(have, fits):
-            key, tokens = chain[b]
+        slots = []
+        for key, tokens in chain[have:fits]:
             if key in self._blocks:  # another block under the same hash: this prompt's takes its place
                 self._evict(key)
-            if self.used_bytes + per_block > self.capacity_bytes:
-                break
-            at = slice(b * size, (b + 1) * size)  # a tensor per block: an evicted block frees its own memory
-            block = _Block(next(self._serials), parent_serial, tokens, torch.stack([k[:, at] for k in keys]).cpu(),
-                           torch.stack([v[:, at] for v in values]).cpu())
+            block = _Block(next(self._serials), parent_serial, tokens, self._free_slots.pop())
             self._blocks[key] = block
             parent_serial = block.serial
-            self.used_bytes += per_block
-            added += 1
+            slots.append(block.slot)
+        index = torch.tensor(slots)
+        start, stop = have * size, fits * size
+        for layer, pair in enumerate(zip(keys, values)):
+            for part, tensor in enumerate(pair):  # [kv_heads, tokens, head_dim] -> [blocks, kv_heads, size, head_dim]
+                heads, _, dim = tensor.shape
+                blocks = tensor[:, start:stop].cpu().view(heads, fits - have, size, dim).transpose(0, 1)
+                slab[index, layer, part] = blocks
         # The new blocks were appended first to last; the prefix must be the more recent.
-        self._touch(chain, have + added)
-        return added
+        self._touch(chain, fits)
+        return fits - have
+
+    @property
+    def used_bytes(self) -> int:
+        return 0 if self._slab is None else len(self._blocks) * self._slab[0].numel() * self._slab.element_size()
+
+    def _slab_for(self, keys: list[torch.Tensor]) -> torch.Tensor | None:
+        """The slab, made at the first insert from the shape of the KV; None when the capacity
+        holds not one block."""
+        heads, _, dim = keys[0].shape
+        shape = (len(keys), 2, heads, self.block_size, dim)
+        if self._slab is None:
+            per_block = torch.Size(shape).numel() * keys[0].element_size()
+            slots = self.capacity_bytes // per_block
+            if slots == 0:
+                return None
+            self._slab = torch.empty((slots, *shape), dtype=keys[0].dtype)
+            self._free_slots = list(range(slots - 1, -1, -1))
+        elif tuple(self._slab.shape[1:]) != shape or self._slab.dtype != keys[0].dtype:
+            raise ValueError(f"this prefix cache holds blocks of {tuple(self._slab.shape[1:])} {self._slab.dtype}, "
+                             f"not {shape} {keys[0].dtype}: one cache serves one model")
+        return self._slab
 
     def _evict(self, key: bytes) -> None:
-        block = self._blocks.pop(key)
-        self.used_bytes -= 2 * block.keys.numel() * block.keys.element_size()
+        self._free_slots.append(self._blocks.pop(key).slot)
 
     def clear(self) -> None:
         self._blocks.clear()
-        self.used_bytes = 0
+        if self._slab is not None:
+            self._free_slots = list(range(self._slab.shape[0] - 1, -1, -1))

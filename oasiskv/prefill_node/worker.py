@@ -33,6 +33,7 @@ class PrefillWorker:
             torch.set_num_threads(chosen)
         model_dir = resolve_model(model, progress=False)
         self.model = load_model_dir(model_dir, dtype=getattr(torch, dtype), device=device)
+        _check_prefix_cache_fits(prefix_cache_gb, _host_bytes(self.model, device), _block_bytes(self.model, block_size))
         # The first token's min_tokens must keep out every EOS the decode node stops on.
         self.tokenizer = load_tokenizer(model_dir)
         self.block_size = block_size
@@ -83,19 +84,41 @@ def _memory_limit_bytes() -> int | None:
         limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return None
-    try:
-        text = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    for cgroup_limit in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # v2, v1
+        try:
+            text = Path(cgroup_limit).read_text().strip()
+        except OSError:
+            continue
         if text.isdigit():
             limit = min(limit, int(text))
-    except OSError:
-        pass
     return limit
 
 
-def _check_prefix_cache_fits(prefix_cache_gb: float) -> None:
-    """A cache is filled as prompts come; one the memory cannot hold would end in the OOM killer
-    hours later, so it is refused when the worker starts."""
+def _host_bytes(model: torch.nn.Module, device: str) -> int:
+    """What the model's weights take of host memory (none on a GPU)."""
+    if device != "cpu":
+        return 0
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _block_bytes(model, block_size: int) -> int:
+    c = model.config
+    itemsize = next(model.parameters()).element_size()
+    return 2 * c.num_layers * c.num_kv_heads * block_size * c.head_dim * itemsize
+
+
+def _check_prefix_cache_fits(prefix_cache_gb: float, model_bytes: int = 0, block_bytes: int = 0) -> None:
+    """A cache is filled as prompts come; one the memory cannot hold beside the model would end in
+    the OOM killer hours later, so it is refused when the worker starts (before the model loads,
+    against the memory alone; after, with the model's weights). So is one that could not hold a
+    single block, which would only cost each prompt a lookup."""
+    cache_bytes = prefix_cache_gb * 2**30
     limit = _memory_limit_bytes()
-    if limit is not None and prefix_cache_gb * 2**30 >= limit:
-        raise ValueError(f"--prefix-cache-gb {prefix_cache_gb:g} is more than this prefill worker's memory "
-                         f"({limit / 2**30:.1f} GiB), which also holds its model and the prompt it prefills")
+    if limit is not None and cache_bytes + model_bytes >= limit:
+        beside = f" beside its model's {model_bytes / 2**30:.1f} GiB" if model_bytes else ""
+        raise ValueError(f"--prefix-cache-gb {prefix_cache_gb:g} does not fit this prefill worker's memory "
+                         f"({limit / 2**30:.1f} GiB){beside}: it also holds the prompt it prefills, and every "
+                         f"prefill worker on the machine has a cache of its own")
+    if 0 < cache_bytes < block_bytes:
+        raise ValueError(f"--prefix-cache-gb {prefix_cache_gb:g} holds not one block of this model's KV "
+                         f"({block_bytes / 2**20:.2f} MiB); give 0 to turn the cache off")

@@ -57,6 +57,8 @@ def test_serve_help_gives_the_values_serve_runs_with():
     assert entries["--budget-tokens"].endswith("(default: 2048)")
     assert entries["--store-port"].endswith("first store's port (0: any free port) (default: 0)")
     assert entries["--mode"].endswith("(default: lookahead)")
+    assert "(default 1; 0: off;" in entries["--prefix-cache-gb"]
+    assert config_from_args(_serve_args()).prefix_cache_gb == 1.0
     assert "(default" not in entries["--api-key"]  # no default, so no '(default: None)'
 
 
@@ -70,6 +72,10 @@ def _serve_args(*argv: str) -> argparse.Namespace:
     (("--budget-tokens", "7"), "--budget-tokens: Input should be greater than or equal to 16 (got 7)"),
     (("--budget-tokens", "100"), "--budget-tokens (100) must be a multiple of block_size (16)"),
     (("--store-ttl-s", "0"), "--store-ttl-s: Input should be greater than 0 (got 0.0)"),
+    (("--prefix-cache-gb", "-1"), "--prefix-cache-gb: Input should be greater than or equal to 0 (got -1.0)"),
+    (("--prefix-cache-gb", "2", "--prefill-engine", "vllm"),
+     "--prefix-cache-gb is the oasiskv prefill engine's; vLLM prefill workers run without a prefix cache (leave it "
+     "out, or give 0)"),
 ])
 def test_a_bad_value_is_named_by_its_flag(argv, expected):
     args = _serve_args(*argv)

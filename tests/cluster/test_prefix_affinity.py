@@ -20,6 +20,8 @@ def test_the_prefix_affinity_names_the_worker_of_the_longest_shared_beginning():
     assert [length for length, _ in prefix_keys(list(range(1000)))] == [64, 128, 256, 512, 992]
     assert [length for length, _ in prefix_keys(list(range(65)))] == [64]
     assert prefix_keys(list(range(64))) == []  # 63 tokens before its last: under one useful beginning
+    assert [length for length, _ in prefix_keys(list(range(1000)), block_tokens=32)] == [64, 128, 256, 512, 992]
+    assert [length for length, _ in prefix_keys(list(range(1000)), block_tokens=48)] == [64, 128, 256, 512, 960]
     affinity = PrefixAffinity()
     chat = list(range(400))
     affinity.remember(chat, "p0")

@@ -208,12 +208,39 @@ def test_the_same_prompt_again_computes_only_its_last_block(smollm2_llm, store):
     assert store.store.stats().num_requests == 0
 
 
-def test_a_prefix_cache_larger_than_the_workers_memory_is_refused_at_start():
+def test_a_prefix_cache_the_workers_memory_cannot_hold_is_refused_at_start():
     from oasiskv.prefill_node.worker import _check_prefix_cache_fits, _memory_limit_bytes
 
     limit = _memory_limit_bytes()
     assert limit is not None and limit > 2**30
     _check_prefix_cache_fits(0)
-    _check_prefix_cache_fits(0.5)
-    with pytest.raises(ValueError, match=r"--prefix-cache-gb .* more than this prefill worker's memory"):
+    _check_prefix_cache_fits(0.5, model_bytes=2**28, block_bytes=2**20)
+    with pytest.raises(ValueError, match=r"--prefix-cache-gb .* does not fit this prefill worker's memory"):
         _check_prefix_cache_fits(limit / 2**30)
+    # With the model loaded, its weights count too.
+    with pytest.raises(ValueError, match=r"beside its model's"):
+        _check_prefix_cache_fits((limit - 2**29) / 2**30, model_bytes=2**30)
+    with pytest.raises(ValueError, match="holds not one block"):
+        _check_prefix_cache_fits(1e-9, block_bytes=2**20)
+    _check_prefix_cache_fits(0, block_bytes=2**20)  # off
+
+
+def test_a_prefill_worker_shares_its_cache_between_stores(store):
+    """One cache for every store a worker writes to: a prompt's KV is the same in each."""
+    from oasiskv.prefill_node.worker import PrefillWorker
+
+    other = KVStoreServer(capacity_bytes=64 * 2**20, prefault=False, transport="tcp")
+    other.start()
+    try:
+        worker = PrefillWorker("smollm2-135m", chunk_tokens=256, transport="tcp", prefix_cache_gb=0.05)
+        prompt = worker.tokenizer.encode(stdlib_source("textwrap.py"))[:300]
+        args = ({"max_tokens": 4}, 16, 1, 4)
+        first = worker.prefill("in-one", prompt, args[0], store.address, *args[1:])
+        second = worker.prefill("in-other", prompt, args[0], other.address, *args[1:])
+        assert (first.cached_tokens, second.cached_tokens) == (0, 288)
+        assert first.first_token == second.first_token
+        worker.free("in-one", store.address)
+        worker.free("in-other", other.address)
+        assert store.store.stats().num_requests == other.store.stats().num_requests == 0
+    finally:
+        other.stop()
