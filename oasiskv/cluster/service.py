@@ -191,7 +191,7 @@ class ClusterService:
         return self.router.queued + len(self._store_waiters)
 
     async def _assign(self, request_id: str, prompt_tokens: int, rows: int, store_bytes: int, deadline: "_Deadline",
-                      on_accepted: Callable[[], None] = lambda: None, prefill_hint: str | None = None):
+                      on_accepted: Callable[[], None] = lambda: None, prefix_keys: list | None = None):
         """The router's assignment; a request that finds every store full waits for room (the
         stores free a request's KV when it ends), first come first served, within the queue's
         limit and the request's timeout, as one that finds every decode pool full waits in a
@@ -200,10 +200,12 @@ class ClusterService:
         called once the request is assigned or begins to wait for room: past the refusals a
         request meets on arrival. A waiting one may still time out, be cancelled, meet a server
         that stops, or be refused at the head of the line (every decode pool full and the decode
-        queue at its limit, or a role left without a healthy worker)."""
+        queue at its limit, or a role left without a healthy worker). `prefix_keys` (the prompt's
+        beginnings, `PrefixAffinity.keys`) are looked up and remembered at each assignment, so a
+        sibling choice assigned while this one waited is seen."""
         if not self._store_waiters:
             try:
-                assignment = self.router.assign(request_id, prompt_tokens, rows, store_bytes, prefill_hint)
+                assignment = self._route(request_id, prompt_tokens, rows, store_bytes, prefix_keys)
             except StoresFull:
                 pass
             else:
@@ -224,7 +226,7 @@ class ClusterService:
             while True:
                 if self._store_waiters[0] is ticket:
                     try:
-                        return self.router.assign(request_id, prompt_tokens, rows, store_bytes, prefill_hint)
+                        return self._route(request_id, prompt_tokens, rows, store_bytes, prefix_keys)
                     except StoresFull:
                         pass
                 left = deadline.at - time.monotonic()
@@ -238,6 +240,15 @@ class ClusterService:
         finally:
             self._store_waiters.remove(ticket)
             self._store_room.set()  # the next in line may fit now
+
+    def _route(self, request_id: str, prompt_tokens: int, rows: int, store_bytes: int, prefix_keys: list | None):
+        """The router's assignment, sent where the prompt's beginning was prefilled where that pays."""
+        affinity = self.prefix_affinity
+        if affinity is None or not prefix_keys:
+            return self.router.assign(request_id, prompt_tokens, rows, store_bytes)
+        assignment = self.router.assign(request_id, prompt_tokens, rows, store_bytes, affinity.worker_for(prefix_keys))
+        affinity.remember(prefix_keys, assignment.prefill.name)
+        return assignment
 
     def _release(self, assignment) -> None:
         self.router.release(assignment)
@@ -268,18 +279,16 @@ class ClusterService:
         started = time.perf_counter()  # TTFT and E2E count a wait for room in a store, as a client sees it
         m = self.metrics
         affinity = self.prefix_affinity
-        hint = affinity.worker_for(prompt_ids) if affinity is not None else None
+        prefix_keys = affinity.keys(prompt_ids) if affinity is not None else None
         try:
             assignment = await self._assign(request_id, len(prompt_ids), rows, store_bytes, deadline, on_accepted,
-                                            hint)
+                                            prefix_keys)
         except TimeoutError:  # waited for store room until the deadline: an error, as a later timeout is
             m.requests.labels(status="error").inc()
             raise
         except (asyncio.CancelledError, GeneratorExit, ShuttingDown):  # the client hung up, or the server stops
             m.requests.labels(status="abort").inc()
             raise
-        if affinity is not None:
-            affinity.remember(prompt_ids, assignment.prefill.name)
         # Running: being prefilled or decoded. A queued request (every pool or seat was full)
         # joins it when its decode engine takes it in; it was counted as running and queued at once.
         running = not assignment.queued
@@ -294,11 +303,16 @@ class ClusterService:
         last_token_time = None
         first_token_time = None
         try:
-            prefill_ref = assignment.prefill.handle.prefill.remote(
-                request_id, prompt_ids, asdict(params), assignment.store_address,
-                (budget_tokens or c.budget_tokens) // c.block_size, c.sink_blocks, c.window_blocks,
-            )
-            result = await deadline.wait(_await(prefill_ref))
+            try:
+                prefill_ref = assignment.prefill.handle.prefill.remote(
+                    request_id, prompt_ids, asdict(params), assignment.store_address,
+                    (budget_tokens or c.budget_tokens) // c.block_size, c.sink_blocks, c.window_blocks,
+                )
+                result = await deadline.wait(_await(prefill_ref))
+            except BaseException:
+                if prefix_keys:  # its cache may not hold the prompt: no later prompt is sent there for it
+                    affinity.forget(prefix_keys, assignment.prefill.name)
+                raise
             prefilled = True
             self.router.prefill_done(assignment)
             if self.config.prefill_engine == "oasiskv" and self.config.prefix_cache_gb > 0:

@@ -182,7 +182,7 @@ class Prefiller:
         if self.prefix_cache is not None:
             try:
                 self.prefix_cache.insert(prompt_ids, cache.k, cache.v)
-            except (RuntimeError, MemoryError) as error:  # out of memory: the request is done all the same
+            except Exception as error:  # out of memory, say: the request is done all the same, its KV handed over
                 log.warning("prefix cache kept nothing of %s: %r", request_id, error)
         written = num_blocks * config.num_layers * config.num_kv_heads * layout.unit_bytes
         return PrefillResult(request_id, list(prompt_ids), first, layout, selection, written, first_logprob, cached)

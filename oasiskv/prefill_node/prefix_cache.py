@@ -134,30 +134,37 @@ class PrefixCache:
         self._touch(chain, min(have, fits))
         if have >= fits:
             return 0
-        # Old blocks go first; never this prompt's own beginning, touched just above.
-        keep = {key for key, _ in chain[:have]}
-        while len(self._free_slots) < fits - have:
-            victim = next(key for key in self._blocks if key not in keep)
-            self._evict(victim)
-        parent_serial = matched[-1].serial if matched else _ROOT_SERIAL
-        slots = []
-        for key, tokens in chain[have:fits]:
+        new = chain[have:fits]
+        for key, _ in new:
             if key in self._blocks:  # another block under the same hash: this prompt's takes its place
                 self._evict(key)
-            block = _Block(next(self._serials), parent_serial, tokens, self._free_slots.pop())
+        # Old blocks go first; never this prompt's own beginning, touched just above.
+        keep = {key for key, _ in chain[:have]}
+        while len(self._free_slots) < len(new):
+            self._evict(next(key for key in self._blocks if key not in keep))
+        slots = [self._free_slots.pop() for _ in new]
+        try:
+            self._copy_in(slots, keys, values, have * size, fits * size)
+        except BaseException:  # nothing was registered: the slots hold no block anyone can find
+            self._free_slots.extend(reversed(slots))
+            raise
+        parent_serial = matched[-1].serial if matched else _ROOT_SERIAL
+        for (key, tokens), slot in zip(new, slots):
+            block = _Block(next(self._serials), parent_serial, tokens, slot)
             self._blocks[key] = block
             parent_serial = block.serial
-            slots.append(block.slot)
-        index = torch.tensor(slots)
-        start, stop = have * size, fits * size
+        # The new blocks were appended first to last; the prefix must be the more recent.
+        self._touch(chain, fits)
+        return len(new)
+
+    def _copy_in(self, slots: list[int], keys, values, start: int, stop: int) -> None:
+        """Tokens [start, stop) of every layer's K and V into `slots`, a block each, a layer at a time."""
+        index, size = torch.tensor(slots), self.block_size
         for layer, pair in enumerate(zip(keys, values)):
             for part, tensor in enumerate(pair):  # [kv_heads, tokens, head_dim] -> [blocks, kv_heads, size, head_dim]
                 heads, _, dim = tensor.shape
-                blocks = tensor[:, start:stop].cpu().view(heads, fits - have, size, dim).transpose(0, 1)
-                slab[index, layer, part] = blocks
-        # The new blocks were appended first to last; the prefix must be the more recent.
-        self._touch(chain, fits)
-        return fits - have
+                blocks = tensor[:, start:stop].cpu().view(heads, len(slots), size, dim).transpose(0, 1)
+                self._slab[index, layer, part] = blocks
 
     @property
     def used_bytes(self) -> int:

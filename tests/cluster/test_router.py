@@ -98,14 +98,20 @@ def test_a_prefill_hint_is_followed_while_it_finishes_no_later_than_the_least_lo
     router = _router()
     first = router.assign("first", prompt_tokens=1000, rows=1, store_bytes=1)
     assert first.prefill.name == "p0" and first.prefill.load == 1000
-    # p0 holds 992 of the prompt: 1000 queued + 8 to compute there, against 0 + 1000 on p1.
+    # p0 holds 992 of the prompt: 1000 queued + 70 there, against 0 + 1000 on p1.
     behind = router.assign("behind", prompt_tokens=1000, rows=1, store_bytes=1, prefill_hint=("p0", 992))
     assert behind.prefill.name == "p1" and behind.prompt_tokens == 1000
-    # Now p0 (1000 queued) is no further behind the least loaded (p1, 1000) than what it holds.
+    # Now p0 and p1 both have 1000 queued: on p0 the prompt costs its 8 uncached tokens plus
+    # 992 / 16 for the cached ones' store write and summaries (70), against 1000 on p1.
     hinted = router.assign("hinted", prompt_tokens=1000, rows=1, store_bytes=1, prefill_hint=("p0", 992))
-    assert hinted.prefill.name == "p0" and hinted.prompt_tokens == 8 and hinted.prefill.load == 1008
+    assert hinted.prefill.name == "p0" and hinted.prompt_tokens == 70 and hinted.prefill.load == 1070
     router.prefill_done(hinted)
-    assert router.prefill[0].load == 1000
+    router.prefill_done(hinted)  # once only
+    assert router.prefill[0].load == 1000 and router.prefill[0].active == 1
+    # A hint of more than the prompt is held to all but its last token: charged at least 1 + 1.
+    whole = router.assign("whole", prompt_tokens=64, rows=1, store_bytes=1, prefill_hint=("p0", 5000))
+    assert whole.prompt_tokens == 1 + 4
+    router.release(whole)
     # A hint naming a worker that is down, or none of them, is the least loaded.
     router.prefill[0].healthy = False
     assert router.assign("down", 1000, 1, 1, prefill_hint=("p0", 992)).prefill.name == "p1"

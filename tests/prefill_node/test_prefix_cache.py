@@ -114,6 +114,23 @@ def test_least_recently_used_blocks_go_first_and_a_prefix_outlives_its_extension
     assert cache.lookup(second + [1]).tokens == 32
 
 
+def test_an_insert_that_fails_midway_leaves_no_block_to_find():
+    """Blocks were registered before their KV was copied in: a copy that failed (out of memory on
+    the way from a GPU, say) left them pointing at another prompt's KV."""
+    cache = PrefixCache(4 * PER_BLOCK, BLOCK)
+    first, second = list(range(48)), list(range(100, 148))
+    cache.insert(first, *kv_for(first))
+    keys, values = kv_for(second)
+    values[-1] = values[-1][:, :40]  # the last layer's V cannot be split into the three blocks
+    with pytest.raises(RuntimeError):
+        cache.insert(second, keys, values)
+    assert cache.lookup(second + [1]).tokens == 0
+    assert cache.num_blocks + len(cache._free_slots) == 4  # no slot lost
+    cache.insert(second, *kv_for(second))
+    hit = cache.lookup(second + [1])
+    assert hit.tokens == 48 and torch.equal(hit.layer(LAYERS - 1)[1], kv_for(second)[1][-1][:, :48])
+
+
 def test_a_prompt_larger_than_the_cache_keeps_the_beginning_that_fits():
     cache = PrefixCache(2 * PER_BLOCK + PER_BLOCK // 2, BLOCK)
     prompt = list(range(80))
