@@ -53,8 +53,9 @@ class ClusterService:
         self.router = Router(handles.prefill, handles.decode, handles.stores, config.max_queued_requests)
         # With several prefill workers each has its own prefix cache: a prompt goes, load allowing,
         # to the one that prefilled its beginning.
-        self.prefix_affinity = (PrefixAffinity(block_tokens=config.decode.block_size) if len(handles.prefill) > 1 and config.prefix_cache_gb > 0
-                                and config.prefill_engine == "oasiskv" else None)
+        caching = config.prefix_cache_gb > 0 and config.prefill_engine == "oasiskv"
+        self.prefix_affinity = (PrefixAffinity(block_tokens=config.decode.block_size)
+                                if caching and len(handles.prefill) > 1 else None)
         # The decode engine's set (the model's and the tokenizer's), so that the prefill's token is
         # shown as the decode worker will show it (`_first_token_text`).
         self.eos_token_ids = set(eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
