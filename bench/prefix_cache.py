@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT.parent))
 from oasiskv.kvstore import KVStoreServer, connect  # noqa: E402
 from oasiskv.models.engine import LLM  # noqa: E402
 from oasiskv.models.pull import resolve_model  # noqa: E402
-from oasiskv.prefill_node.prefill import Prefiller  # noqa: E402
+from oasiskv.prefill_node.prefill import Prefiller, kv_layout_for  # noqa: E402
 from oasiskv.prefill_node.prefix_cache import PrefixCache  # noqa: E402
 
 from bench.common import at_least, real_text_token_ids, write_results  # noqa: E402
@@ -60,8 +60,8 @@ def run(args) -> dict:
     need = args.document_tokens * 2 + args.turns * args.turn_tokens
     prompts = workload(real_text_token_ids(llm, need), args.document_tokens, args.turns, args.turn_tokens,
                        args.choices)
-    layout_bytes = 2 * llm.model.config.num_layers * llm.model.config.num_kv_heads * llm.model.config.head_dim * \
-        torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    layout = kv_layout_for(llm.model)
+    layout_bytes = layout.kv_bytes_per_block // layout.block_size  # KV bytes per token
     store = KVStoreServer(capacity_bytes=int(need * layout_bytes * 1.2) + 2**26, prefault=False, transport="tcp")
     store.start()
     client = connect(store.address, transport="tcp")

@@ -53,9 +53,9 @@ class ClusterService:
         self.router = Router(handles.prefill, handles.decode, handles.stores, config.max_queued_requests)
         # With several prefill workers each has its own prefix cache: a prompt goes, load allowing,
         # to the one that prefilled its beginning.
-        caching = config.prefix_cache_gb > 0 and config.prefill_engine == "oasiskv"
+        self.prefix_caching = config.prefix_cache_gb > 0 and config.prefill_engine == "oasiskv"
         self.prefix_affinity = (PrefixAffinity(block_tokens=config.decode.block_size)
-                                if caching and len(handles.prefill) > 1 else None)
+                                if self.prefix_caching and len(handles.prefill) > 1 else None)
         # The decode engine's set (the model's and the tokenizer's), so that the prefill's token is
         # shown as the decode worker will show it (`_first_token_text`).
         self.eos_token_ids = set(eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", ()))
@@ -316,7 +316,7 @@ class ClusterService:
                 raise
             prefilled = True
             self.router.prefill_done(assignment)
-            if self.config.prefill_engine == "oasiskv" and self.config.prefix_cache_gb > 0:
+            if self.prefix_caching:
                 m.prefix_cache_queries.inc(len(prompt_ids))
                 m.prefix_cache_hits.inc(result.cached_tokens)
             stream = assignment.decode.handle.generate.options(num_returns="streaming").remote(

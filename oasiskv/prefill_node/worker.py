@@ -17,7 +17,7 @@ from ..models.pull import resolve_model
 from ..models.sampling import SamplingParams
 from ..models.tokenizer import load_tokenizer
 from .cancellation import Cancellations, raise_if
-from .prefill import Prefiller, PrefillResult
+from .prefill import Prefiller, PrefillResult, kv_layout_for
 from .prefix_cache import PrefixCache
 
 
@@ -33,7 +33,8 @@ class PrefillWorker:
             torch.set_num_threads(chosen)
         model_dir = resolve_model(model, progress=False)
         self.model = load_model_dir(model_dir, dtype=getattr(torch, dtype), device=device)
-        _check_prefix_cache_fits(prefix_cache_gb, _host_bytes(self.model, device), _block_bytes(self.model, block_size))
+        _check_prefix_cache_fits(prefix_cache_gb, _host_bytes(self.model, device),
+                                 kv_layout_for(self.model, block_size).kv_bytes_per_block)
         # The first token's min_tokens must keep out every EOS the decode node stops on.
         self.tokenizer = load_tokenizer(model_dir)
         self.block_size = block_size
@@ -99,12 +100,6 @@ def _host_bytes(model: torch.nn.Module, device: str) -> int:
     if device != "cpu":
         return 0
     return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def _block_bytes(model, block_size: int) -> int:
-    c = model.config
-    itemsize = next(model.parameters()).element_size()
-    return 2 * c.num_layers * c.num_kv_heads * block_size * c.head_dim * itemsize
 
 
 def _check_prefix_cache_fits(prefix_cache_gb: float, model_bytes: int = 0, block_bytes: int = 0) -> None:

@@ -16,14 +16,6 @@ from oasiskv.prefill_node.worker import PrefillWorker
 from ..conftest import stdlib_source
 
 
-@pytest.fixture(scope="module")
-def store():
-    server = KVStoreServer(capacity_bytes=512 * 2**20, prefault=False, transport="tcp")
-    server.start()
-    yield server
-    server.stop()
-
-
 def test_a_cancelled_prefill_stops_at_its_next_chunk_and_frees_its_kv(smollm2_llm, store):
     prompt = smollm2_llm.encode(stdlib_source("argparse.py"))[:2048]
     chunks_run = []

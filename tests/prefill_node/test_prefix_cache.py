@@ -154,14 +154,6 @@ def test_a_cache_of_no_bytes_keeps_nothing_and_bad_sizes_are_named():
 # --- against a real model and store ---------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def store():
-    server = KVStoreServer(capacity_bytes=256 * 2**20, prefault=False, transport="tcp")
-    server.start()
-    yield server
-    server.stop()
-
-
 def stored_kv(client, request_id: str, layout, num_tokens: int) -> torch.Tensor:
     """Every unit the store holds for a request: [layers, kv_heads, blocks, 2, block_size, head_dim]."""
     blocks = layout.num_blocks(num_tokens)
