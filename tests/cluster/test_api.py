@@ -293,6 +293,7 @@ def test_streamed_chat_matches_the_engine(client, smollm2_llm):
     assert chat.choices[0].message.content == "".join(pieces)
 
 
+@pytest.mark.slow  # in CI's slow step: keeps the default suite under 25 minutes
 def test_sixteen_concurrent_streams_of_different_lengths(server, smollm2_llm):
     source = smollm2_llm.encode(stdlib_source("typing.py"))
     prompts = [source[i * 97 : i * 97 + 30 + 17 * i] for i in range(16)]

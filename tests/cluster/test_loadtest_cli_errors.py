@@ -358,8 +358,11 @@ def interrupt_bench(server: Server, tmp_path, prompts: list[str], posts: int, *e
                "--model", "m", "--disable-tqdm", "--dataset", "jsonl", "--jsonl-path", str(path),
                "--num-prompts", str(len(prompts)), "--save-result", "--no-plot", "--result-dir", str(tmp_path),
                "--result-filename", "run.json", *extra]
+    # A shell that ran the tests in the background (`pytest &`) left SIGINT ignored, and children
+    # inherit that: the child gets the default back, as a terminal's process has it.
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(root)})
+                               env={**os.environ, "PYTHONPATH": str(root)},
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while len(server.posts) < posts:

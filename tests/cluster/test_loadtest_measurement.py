@@ -66,11 +66,17 @@ class ScriptedServer:
         self._thread.join(timeout=10)
 
     def reset(self) -> None:
-        def clear():
+        # waits for the clearing to run (a test that counts arrivals must not see the last
+        # test's), and lets a request of the last test that is still being answered finish first
+        async def clear():
+            for _ in range(500):
+                if self.in_flight == 0:
+                    break
+                await asyncio.sleep(0.01)
             self.peak_in_flight = self.arrivals = 0
             self._crowds.clear()
 
-        self.loop.call_soon_threadsafe(clear)
+        asyncio.run_coroutine_threadsafe(clear(), self.loop).result(timeout=10)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

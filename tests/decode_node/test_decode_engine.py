@@ -173,8 +173,9 @@ def _decode_drafting_for_itself(llm, store, prompt: list[int], params: SamplingP
     return engine, tokens
 
 
+# The slow cases (in CI's slow step) keep the default suite under 25 minutes.
 @pytest.mark.parametrize("penalties", [{"presence_penalty": 2.0, "frequency_penalty": 2.0},
-                                       {"repetition_penalty": 1.3}])
+                                       pytest.param({"repetition_penalty": 1.3}, marks=pytest.mark.slow)])
 def test_penalized_decoding_matches_the_single_process_engine(smollm2_llm, store, penalties):
     """Each verification row is penalized for the drafts before it, so accepted runs decode as
     one token at a time would."""
@@ -188,7 +189,8 @@ def test_penalized_decoding_matches_the_single_process_engine(smollm2_llm, store
     assert tokens == expected.token_ids
 
 
-@pytest.mark.parametrize("case", ["repetition_penalty", "logit_bias", "min_tokens-12"])
+@pytest.mark.parametrize("case", [pytest.param("repetition_penalty", marks=pytest.mark.slow), "logit_bias",
+                                  "min_tokens-12"])
 def test_a_draft_model_processes_its_logits_as_the_target_does(smollm2_llm, store, case):
     """Drafts from the model itself under the request's penalties, biases and min_tokens are what
     the target then picks: nearly all accepted, against far fewer from the same model blind to them."""
@@ -219,7 +221,8 @@ def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
     return repeated, SamplingParams(max_tokens=64, ignore_eos=True, temperature=1.0, min_p=1.0, seed=5)
 
 
-@pytest.mark.parametrize("case", ["logit_bias", "min_tokens-12", "min_tokens-30", "min_p"])
+@pytest.mark.parametrize("case", [pytest.param("logit_bias", marks=pytest.mark.slow), "min_tokens-12",
+                                  "min_tokens-30", "min_p"])
 def test_min_p_min_tokens_and_logit_bias_decode_as_the_single_process_engine(smollm2_llm, store, case):
     """Verification processes each draft row for its own output position (min_tokens bans EOS
     only on the rows before it), and the prefill's first token too; the drafts come from the
@@ -297,6 +300,7 @@ def test_uint8_summaries_move_a_quarter_and_rank_as_the_values_do(smollm2_llm, s
     assert store.stats().num_requests == 0
 
 
+@pytest.mark.slow
 def test_lookahead_topped_up_to_the_whole_budget_attends_as_sparse_current(smollm2_llm, store, prompts):
     """A top-up as large as the budget fetches every block of the current query's top-K that the
     prediction missed before attending: the attended set is sparse-current's, so are the tokens."""

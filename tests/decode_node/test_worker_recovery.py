@@ -466,6 +466,7 @@ def decode_while_a_store_stops_answering(smollm2_llm, freezable_store, config, n
         surviving.stop()
 
 
+@pytest.mark.slow  # in CI's slow step: keeps the default suite under 25 minutes
 def test_a_write_back_to_a_store_that_stops_answering_holds_out_only_its_own_request(smollm2_llm, freezable_store):
     """Under the 'skip' miss policy a request whose store has stopped answering decodes on
     until a block it wrote back is due to be overwritten in the local window: it sits out the
@@ -486,6 +487,7 @@ def test_a_write_back_to_a_store_that_stops_answering_holds_out_only_its_own_req
     assert stats["step_failures"] == 0 and stats["running"] == 0
 
 
+@pytest.mark.slow  # in CI's slow step: keeps the default suite under 25 minutes
 def test_the_transfers_of_a_store_that_stops_answering_time_out_together(smollm2_llm, freezable_store):
     """Two requests read from a store that stops answering, under the 'wait' miss policy: the
     layer that waits for their prefetches waits once, until the transfers' common deadline
