@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from ..models.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from ..models.tokenizer import require_unicode
@@ -129,7 +129,8 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # Strict: JSON's true, 1.0 or "1" as a token id is a client's bug, not token 1.
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None

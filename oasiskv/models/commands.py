@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import ModelError
+from .errors import ModelError, UnknownModelError
 
 
 def add_arguments_models(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +28,8 @@ def run_models(args: argparse.Namespace) -> int:
         return _pull(args.names, args.cache_dir, args.force)
     except (ModelError, OSError) as exc:  # a message, not a traceback: these are the user's to fix
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        # 2, as argparse and `oasiskv serve` exit on a bad argument; 1 for a pull that failed
+        return 2 if isinstance(exc, UnknownModelError) else 1
 
 
 def _list(cache_dir) -> int:

@@ -5,6 +5,7 @@ events a stream sends (event sources here are plain async generators, not the cl
 import asyncio
 
 import pytest
+from pydantic import ValidationError
 
 from oasiskv.cluster.api import _collect, _Merged
 from oasiskv.cluster.protocol import MAX_CHOICES_PER_REQUEST, CompletionRequest, UnsupportedFeature
@@ -20,6 +21,12 @@ from oasiskv.cluster.service import Event
 ])
 def test_the_prompt_field_splits_as_vllm_reads_it(prompt, expected):
     assert CompletionRequest(prompt=prompt).prompts() == expected
+
+
+@pytest.mark.parametrize("prompt", [[True, 2], [1.0, 2], ["1", 2], [[2], [False]], [[1.0]]])
+def test_a_token_id_that_is_not_a_json_integer_is_refused(prompt):
+    with pytest.raises(ValidationError, match="prompt"):
+        CompletionRequest(prompt=prompt)
 
 
 def test_prompts_times_n_over_the_cap_is_refused_naming_both():

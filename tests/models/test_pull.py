@@ -73,7 +73,7 @@ def test_cli_list_prints_the_names(capsys, tmp_path):
 
 
 def test_cli_pull_unknown_name_fails_without_traceback(capsys, tmp_path):
-    assert cli_main(["models", "pull", "nope", "--cache-dir", str(tmp_path)]) == 1
+    assert cli_main(["models", "pull", "nope", "--cache-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown model 'nope'") and "Traceback" not in err
     assert all(name in err for name in NAMES)
