@@ -140,6 +140,21 @@ def config_from_args(args: argparse.Namespace):
     return ServeConfig(**fields)
 
 
+# The draft-model flags change nothing with n-gram drafts (the drafter is the server's, not a
+# request's): someone tuning a deployment should hear so at start-up rather than infer it from
+# unchanged metrics. The lookahead flags are read whatever --mode is: a request may ask for
+# lookahead itself (oasiskv_mode).
+_DRAFT_MODEL_ONLY_FLAGS = ("draft_window_tokens", "draft_catch_up_budget")
+
+
+def unread_flags(args: argparse.Namespace, config) -> list[str]:
+    """One line for each flag given that the configured drafter does not read."""
+    if config.decode.drafter != "ngram":
+        return []
+    return [f"--{name.replace('_', '-')} is read only with a draft model: ignored with --drafter ngram"
+            for name in _DRAFT_MODEL_ONLY_FLAGS if getattr(args, name) is not None]
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
@@ -157,6 +172,8 @@ def run_serve(args: argparse.Namespace) -> int:
             message = message.replace("--device:", "--device (from $OASISKV_DEVICE):")
         print(f"error: invalid configuration: {message}", file=sys.stderr)
         return 2
+    for line in unread_flags(args, config):
+        logging.getLogger("oasiskv.serve").warning(line)
     try:
         run_server(config)
     except (ModelError, NotEnoughGPUs, WorkerStartFailed, PortUnavailable, ClusterUnreachable) as error:

@@ -14,7 +14,7 @@ import torch
 
 from oasiskv.cluster.config import ServeConfig
 from oasiskv.cluster.launcher import _raised_in_worker
-from oasiskv.cluster.serve_command import add_arguments_serve, config_from_args
+from oasiskv.cluster.serve_command import add_arguments_serve, config_from_args, unread_flags
 from oasiskv.kvstore import DEFAULT_SUMMARY_KIND, KVStoreServer, connect, summarize_request
 from oasiskv.prefill_node.worker import PrefillWorker
 
@@ -102,6 +102,23 @@ def test_draft_model_options_reach_the_decode_config():
         _config("--draft-window-tokens", "0")
     with pytest.raises(ValidationError, match="draft_catch_up_budget"):
         _config("--draft-catch-up-budget", "-5")
+
+
+def test_draft_model_options_given_with_ngram_drafts_are_named_as_unread():
+    parser = argparse.ArgumentParser()
+    add_arguments_serve(parser)
+
+    def unread(*argv):
+        args = parser.parse_args(list(argv))
+        return unread_flags(args, config_from_args(args))
+
+    assert unread("--draft-window-tokens", "512", "--draft-catch-up-budget", "0") == [
+        "--draft-window-tokens is read only with a draft model: ignored with --drafter ngram",
+        "--draft-catch-up-budget is read only with a draft model: ignored with --drafter ngram"]
+    assert unread("--drafter", "qwen2.5-coder-0.5b", "--draft-window-tokens", "512") == []
+    # read whatever --mode is: a request may ask for lookahead itself
+    assert unread("--mode", "dense", "--lookahead-topup-blocks", "4", "--miss-policy", "skip") == []
+    assert unread() == []
 
 
 def test_summary_kind_reaches_the_cluster_config():
