@@ -313,7 +313,8 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
                             "logprobs": formatter and formatter.chat(outcome.logprobs)})
         else:
             choices.append({**common, "text": outcome.text, "logprobs": formatter and formatter.completion(outcome.logprobs)})
-    usage = _usage(prompt_tokens, sum(outcome.num_tokens for outcome in outcomes))
+    usage = _usage(prompt_tokens, sum(outcome.num_tokens for outcome in outcomes),
+                   _cached_prompt_tokens([outcome.cached_tokens for outcome in outcomes], body.n))
     return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": choices, "usage": usage}
 
 
@@ -333,9 +334,18 @@ def _request_failed(service: ClusterService, exc: Exception) -> ApiError:
     return _failed(exc)  # a worker died mid-request: the request is lost, the server is not
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    # prompt_tokens_details as OpenAI's (vLLM's with --enable-prompt-tokens-details)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _cached_prompt_tokens(cached_by_choice: list[int], n: int) -> int:
+    """The usage's cached tokens: for each prompt (counted once in prompt_tokens, however many its
+    choices), the tokens every one of its n choices found in a prefix cache. A sibling's hit on
+    what the first choice just computed does not count: it was not cached before the request."""
+    return sum(min(cached_by_choice[start : start + n]) for start in range(0, len(cached_by_choice), n))
 
 
 # Cleanups still running after their request's task was cancelled (kept referenced until done).
@@ -369,6 +379,7 @@ class _Outcome:
     stop_reason: str | int | None = None
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    cached_tokens: int = 0
 
 
 async def _collect(merged: "_Merged") -> list[_Outcome]:
@@ -379,6 +390,7 @@ async def _collect(merged: "_Merged") -> list[_Outcome]:
         outcome.text += event.delta
         outcome.logprobs += event.logprobs
         outcome.num_tokens = event.num_tokens
+        outcome.cached_tokens = event.cached_tokens
         outcome.finish_reason = event.finish_reason or outcome.finish_reason
         if event.stop_reason is not None:
             outcome.stop_reason = event.stop_reason
@@ -416,9 +428,10 @@ async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created = now()
     completion_tokens = [0] * merged.choices
+    cached_tokens = [0] * merged.choices
 
     def usage() -> dict:
-        return _usage(prompt_tokens, sum(completion_tokens))
+        return _usage(prompt_tokens, sum(completion_tokens), _cached_prompt_tokens(cached_tokens, body.n))
 
     def chunk(index: int, delta_text: str | None, reason: str | None, role: bool = False,
               logprobs: list[TokenLogprob] | None = None, stop: str | int | None = None) -> bytes:
@@ -445,6 +458,7 @@ async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt
                     yield chunk(index, body.echoed(), None)
         async for index, event in merged:
             completion_tokens[index] = event.num_tokens
+            cached_tokens[index] = event.cached_tokens
             if event.delta or event.logprobs or event.finished:
                 yield chunk(index, event.delta, event.finish_reason if event.finished else None,
                             logprobs=event.logprobs, stop=event.stop_reason if event.finished else None)

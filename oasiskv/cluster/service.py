@@ -35,6 +35,7 @@ class Event:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens added since the last event
     stop_reason: str | int | None = None  # of a "stop" finish: the stop token id or string; None for EOS
+    cached_tokens: int = 0  # of the prompt, taken from the prefill worker's prefix cache (every event the same)
 
 
 class ShuttingDown(RuntimeError):
@@ -333,7 +334,7 @@ class ClusterService:
                 first_token_time = last_token_time = time.perf_counter()
                 m.ttft.observe(first_token_time - started)
                 token_count = 1
-                yield Event(repeated, 1, logprobs=logprobs[:1])
+                yield Event(repeated, 1, logprobs=logprobs[:1], cached_tokens=result.cached_tokens)
             repeated = len(repeated)
             while True:
                 try:
@@ -366,7 +367,7 @@ class ClusterService:
                 new_logprobs = logprobs[sent_tokens:token_count]  # empty unless the request asked for them
                 if delta or new_logprobs or out["finished"]:
                     yield Event(delta, token_count, out["finished"], out["finish_reason"], new_logprobs,
-                                out.get("stop_reason"))
+                                out.get("stop_reason"), result.cached_tokens)
                 if out["finished"]:
                     break
         except (asyncio.CancelledError, GeneratorExit):

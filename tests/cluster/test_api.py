@@ -557,6 +557,7 @@ def test_a_prompt_that_begins_as_an_earlier_one_is_prefilled_from_where_they_par
     out = client.completions.create(model=DEFAULT_MODEL, prompt=first, max_tokens=6, temperature=0)
     assert out.choices[0].text == _expected(smollm2_llm, first, 6)
     assert counted() == (before[0] + 400, before[1])  # nothing of it was seen before
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
 
     before = counted()
     out = client.completions.create(model=DEFAULT_MODEL, prompt=second, max_tokens=6, temperature=0, n=2)
@@ -566,6 +567,13 @@ def test_a_prompt_that_begins_as_an_earlier_one_is_prefilled_from_where_they_par
     assert queries == before[0] + 2 * 650
     # One choice finds the first prompt's 25 blocks, the other every block but the last.
     assert hits == before[1] + 400 + 640
+    # The usage counts the prompt once, with what both choices found: the 400 cached before it.
+    assert out.usage.prompt_tokens == 650 and out.usage.prompt_tokens_details.cached_tokens == 400
+    # Streamed, the usage chunk says the same: the whole prompt but its last block is cached now.
+    stream = client.completions.create(model=DEFAULT_MODEL, prompt=second, max_tokens=6, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    (usage,) = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert usage.prompt_tokens_details.cached_tokens == 640
 
 
 def test_metrics_count_requests_and_tokens(server, client):

@@ -3,11 +3,12 @@ on choices a request, and how a non-streamed response gathers its choices from t
 events a stream sends (event sources here are plain async generators, not the cluster)."""
 
 import asyncio
+import dataclasses
 
 import pytest
 from pydantic import ValidationError
 
-from oasiskv.cluster.api import _collect, _Merged
+from oasiskv.cluster.api import _cached_prompt_tokens, _collect, _Merged, _usage
 from oasiskv.cluster.protocol import MAX_CHOICES_PER_REQUEST, CompletionRequest, UnsupportedFeature
 from oasiskv.cluster.service import Event
 
@@ -73,6 +74,18 @@ def test_each_choice_gets_its_own_text_count_and_reasons():
     assert [o.text for o in outcomes] == ["abc", "xy", "q"]
     assert [o.num_tokens for o in outcomes] == [3, 2, 1]
     assert [(o.finish_reason, o.stop_reason) for o in outcomes] == [("length", None), ("stop", "\n"), ("stop", None)]
+
+
+def test_the_usage_counts_a_prompts_cached_tokens_that_every_choice_found():
+    """Two prompts of two choices each: the second choice of a prompt finds what the first just
+    computed, which was not cached before the request; the prompt counts what both found."""
+    cached = [400, 640, 0, 128]
+    choices = [[dataclasses.replace(event, cached_tokens=c) for event in _stream(["a", "b"])] for c in cached]
+    outcomes = _gather(choices)
+    assert [o.cached_tokens for o in outcomes] == cached
+    usage = _usage(1300, 8, _cached_prompt_tokens([o.cached_tokens for o in outcomes], 2))
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 400 + 0}
+    assert _cached_prompt_tokens([16, 32, 48], 1) == 96
 
 
 def test_a_choice_that_fails_fails_the_response():
