@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import threading
 import time
 
@@ -89,11 +90,30 @@ class DrainingServer(uvicorn.Server):
     shutdown: streams were cut with no error event and no [DONE], a non-streamed request got a
     bare-text 500, and the requests' aborts reached Ray after it was shut down (starting a new
     local Ray). Ended by the service instead, each gets a 503 'shutting down' while the workers
-    are still there to free its KV."""
+    are still there to free its KV.
+
+    A second Ctrl-C ends them at once, the same way, rather than after the grace. It was
+    uvicorn's force quit, which skips the lifespan: Ray's actors were left to asyncio's exit,
+    which logged tracebacks and whose aborts started a new local Ray. A third is the force quit."""
 
     def __init__(self, config: uvicorn.Config, service: ClusterService):
         super().__init__(config)
         self.service = service
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ending_now = False
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig == signal.SIGINT and self.should_exit and not self._ending_now and self._loop is not None:
+            self._ending_now = True
+            log.info("Ctrl-C again: ending the requests in flight now (once more to force quit)")
+            # From a signal handler: the loop runs it between its callbacks, not inside one.
+            self._loop.call_soon_threadsafe(self.service.begin_shutdown)
+            return  # not captured: uvicorn re-raises what it captured once it has shut down
+        super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
         grace = self.config.timeout_graceful_shutdown

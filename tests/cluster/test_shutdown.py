@@ -40,21 +40,15 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> N
     raise AssertionError("serve did not become healthy")
 
 
-def test_sigterm_ends_requests_in_flight_with_a_503_after_the_grace_period_and_exits():
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "oasiskv.cluster.cli", "serve", "--port", str(port), "--threads-per-worker", "1",
-         "--shutdown-grace-s", str(GRACE_S)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )
-    try:
-        _wait_healthy(url, proc)
-        chunks: list[str] = []
-        first_chunk = threading.Event()
-        ended = threading.Event()
-        whole: list[httpx.Response] = []
-        # About 8,000 tokens: minutes of decoding, far past the grace period.
+class _Requests:
+    """A streamed and a non-streamed request of about 8,000 tokens (minutes of decoding, far past
+    any grace here), running until the server ends them."""
+
+    def __init__(self, url: str):
+        self.chunks: list[str] = []
+        self.whole: list[httpx.Response] = []
+        self.first_chunk = threading.Event()
+        self.ended = threading.Event()
         body = {"model": DEFAULT_MODEL, "prompt": "Once upon a time", "max_tokens": 8000, "ignore_eos": True,
                 "temperature": 0}
 
@@ -63,21 +57,60 @@ def test_sigterm_ends_requests_in_flight_with_a_503_after_the_grace_period_and_e
                 with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=300) as response:
                     for line in response.iter_lines():
                         if line.startswith("data:"):
-                            chunks.append(line)
-                            first_chunk.set()
+                            self.chunks.append(line)
+                            self.first_chunk.set()
             except httpx.HTTPError:
                 pass  # the server closing the connection mid-stream
             finally:
-                ended.set()
+                self.ended.set()
 
         def not_streamed() -> None:
             with contextlib.suppress(httpx.HTTPError):
-                whole.append(httpx.post(f"{url}/v1/completions", json=body, timeout=300))
+                self.whole.append(httpx.post(f"{url}/v1/completions", json=body, timeout=300))
 
         threading.Thread(target=stream, daemon=True).start()
-        other = threading.Thread(target=not_streamed, daemon=True)
-        other.start()
-        assert first_chunk.wait(120), "no token streamed"
+        self._other = threading.Thread(target=not_streamed, daemon=True)
+        self._other.start()
+        assert self.first_chunk.wait(120), "no token streamed"
+
+    def assert_ended_as_shutting_down(self) -> None:
+        assert self.ended.wait(10), "the client's stream did not end when the server did"
+        self._other.join(10)
+        # The stream ends as any failed stream does: an error event, then [DONE].
+        assert self.chunks[-1] == "data: [DONE]" and "the server is shutting down" in self.chunks[-2], self.chunks[-3:]
+        assert self.whole and self.whole[0].status_code == 503, self.whole and self.whole[0].text
+        assert "the server is shutting down" in self.whole[0].json()["error"]["message"]
+
+
+@contextlib.contextmanager
+def _serve(grace_s: float, **popen):
+    """`oasiskv serve` in a process of its own, healthy; killed if the test left it running."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "oasiskv.cluster.cli", "serve", "--port", str(port), "--threads-per-worker", "1",
+         "--shutdown-grace-s", str(grace_s)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _assert_shut_down_cleanly(stderr: str) -> None:
+    assert "timeout graceful shutdown exceeded" not in stderr  # nothing was left for uvicorn to cancel
+    assert "cluster shut down" in stderr  # the lifespan ran: the decode worker freed its requests
+    assert stderr.count("Started a local Ray instance") <= 1, stderr[-3000:]  # no second Ray at exit
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
+def test_sigterm_ends_requests_in_flight_with_a_503_after_the_grace_period_and_exits():
+    with _serve(GRACE_S) as (proc, url):
+        requests = _Requests(url)
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         try:
@@ -88,17 +121,28 @@ def test_sigterm_ends_requests_in_flight_with_a_503_after_the_grace_period_and_e
         stderr = proc.stderr.read()
         # Uvicorn raises the SIGTERM again once it has shut down, and Ray's driver turns it into exit(15).
         assert proc.returncode in (0, 15, -signal.SIGTERM), stderr[-3000:]
-        assert ended.wait(10), "the client's stream did not end when the server did"
-        other.join(10)
+        requests.assert_ended_as_shutting_down()
         assert exited_after >= GRACE_S - 2.5  # the requests were given most of the grace, not cut at once
-        # The stream ends as any failed stream does: an error event, then [DONE].
-        assert chunks[-1] == "data: [DONE]" and "the server is shutting down" in chunks[-2], chunks[-3:]
-        assert whole and whole[0].status_code == 503, whole and whole[0].text
-        assert "the server is shutting down" in whole[0].json()["error"]["message"]
-        assert "timeout graceful shutdown exceeded" not in stderr  # nothing was left for uvicorn to cancel
-        assert "cluster shut down" in stderr  # the lifespan ran: the decode worker freed its requests
-        assert stderr.count("Started a local Ray instance") <= 1, stderr[-3000:]  # no second Ray at exit
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _assert_shut_down_cleanly(stderr)
+
+
+def test_a_second_ctrl_c_ends_the_requests_at_once_and_shuts_the_cluster_down():
+    """uvicorn's force quit on a second Ctrl-C skipped the lifespan: asyncio's exit logged
+    tracebacks, and the aborts of the requests it cancelled started a new local Ray."""
+    grace_s = 300
+    # A shell that ran the tests in the background left SIGINT ignored; a terminal's serve has it.
+    with _serve(grace_s, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as (proc, url):
+        requests = _Requests(url)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)  # the first Ctrl-C would let the requests run on for the whole grace
+        assert proc.poll() is None and not requests.ended.is_set()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"serve still running 60 s after a second Ctrl-C (grace {grace_s} s)")
+        stderr = proc.stderr.read()
+        assert proc.returncode == 130, stderr[-3000:]
+        requests.assert_ended_as_shutting_down()
+        assert "ending the requests in flight now" in stderr
+        _assert_shut_down_cleanly(stderr)
