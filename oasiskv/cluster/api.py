@@ -343,8 +343,9 @@ def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> di
 
 def _cached_prompt_tokens(cached_by_choice: list[int], n: int) -> int:
     """The usage's cached tokens: for each prompt (counted once in prompt_tokens, however many its
-    choices), the tokens every one of its n choices found in a prefix cache. A sibling's hit on
-    what the first choice just computed does not count: it was not cached before the request."""
+    choices), the tokens every one of its n choices found in a prefix cache. A choice's hit on
+    what a sibling choice of the same prompt just computed does not count: the prompt is counted
+    once, as if prefilled once."""
     return sum(min(cached_by_choice[start : start + n]) for start in range(0, len(cached_by_choice), n))
 
 

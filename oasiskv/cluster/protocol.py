@@ -128,14 +128,25 @@ class _SamplingFields(BaseModel):
         return self.include_usage and bool((self.stream_options or {}).get("continuous_usage_stats"))
 
 
+def _token_ids_are_integers(value):
+    """JSON's true, 1.0 or "1" among token ids is a client's bug, not token 1: named here, where
+    the union's first error would say that the prompt should be a string."""
+    if isinstance(value, list) and not all(isinstance(item, str) for item in value):
+        for ids in value if all(isinstance(item, list) for item in value) else [value]:
+            for token in ids:
+                if not isinstance(token, int) or isinstance(token, bool):
+                    raise ValueError(f"prompt token ids must be JSON integers, got {token!r}")
+    return value
+
+
 class CompletionRequest(_SamplingFields):
-    # Strict: JSON's true, 1.0 or "1" as a token id is a client's bug, not token 1.
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
     _prompt_text = field_validator("prompt")(_encodable)
+    _prompt_ids = field_validator("prompt", mode="before")(_token_ids_are_integers)
 
     def logprobs_requested(self) -> int | None:
         """How many alternatives each token's logprobs list; None: no logprobs (SamplingParams

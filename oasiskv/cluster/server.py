@@ -109,11 +109,14 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if sig == signal.SIGINT and self.should_exit and not self._ending_now and self._loop is not None:
             self._ending_now = True
-            log.info("Ctrl-C again: ending the requests in flight now (once more to force quit)")
-            # From a signal handler: the loop runs it between its callbacks, not inside one.
-            self._loop.call_soon_threadsafe(self.service.begin_shutdown)
+            # From a signal handler: the loop runs it (and its log line) between its callbacks.
+            self._loop.call_soon_threadsafe(self._end_requests_now)
             return  # not captured: uvicorn re-raises what it captured once it has shut down
         super().handle_exit(sig, frame)
+
+    def _end_requests_now(self) -> None:
+        log.info("Ctrl-C again: ending the requests in flight now (once more to force quit)")
+        self.service.begin_shutdown()
 
     async def shutdown(self, sockets=None) -> None:
         grace = self.config.timeout_graceful_shutdown

@@ -329,6 +329,8 @@ def _post(server, path: str, body: dict) -> httpx.Response:
         ({"model": DEFAULT_MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream: true"),
         ({"model": DEFAULT_MODEL, "prompt": "", "max_tokens": 4}, 400, "empty"),
         ({"model": DEFAULT_MODEL, "prompt": [1] * 9000, "max_tokens": 4}, 400, "context"),
+        ({"model": DEFAULT_MODEL, "prompt": [True, 2], "max_tokens": 4}, 400,
+         "prompt token ids must be JSON integers, got True"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "oasiskv_mode": "fast"}, 400, "oasiskv_mode"),
         ({"model": DEFAULT_MODEL}, 400, "prompt"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),

@@ -24,9 +24,9 @@ def test_the_prompt_field_splits_as_vllm_reads_it(prompt, expected):
     assert CompletionRequest(prompt=prompt).prompts() == expected
 
 
-@pytest.mark.parametrize("prompt", [[True, 2], [1.0, 2], ["1", 2], [[2], [False]], [[1.0]]])
+@pytest.mark.parametrize("prompt", [[True, 2], [1.0, 2], ["1", 2], [[2], [False]], [[1.0]], [[1], 2]])
 def test_a_token_id_that_is_not_a_json_integer_is_refused(prompt):
-    with pytest.raises(ValidationError, match="prompt"):
+    with pytest.raises(ValidationError, match="prompt token ids must be JSON integers"):
         CompletionRequest(prompt=prompt)
 
 
