@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..models.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from ..models.tokenizer import require_unicode
@@ -140,7 +140,7 @@ def _token_ids_are_integers(value):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: str | list[int] | list[str] | list[list[int]]  # ids checked by _token_ids_are_integers
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
