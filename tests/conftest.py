@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import signal
 import sysconfig
 from pathlib import Path
 
@@ -15,6 +16,13 @@ DEFAULT_MODEL = "smollm2-135m"
 def stdlib_source(name: str = "argparse.py") -> str:
     """Real text nobody here wrote: a Python standard-library source file."""
     return (Path(sysconfig.get_paths()["stdlib"]) / name).read_text()
+
+
+def default_sigint() -> None:
+    """A Popen preexec_fn for a child a test sends Ctrl-C: a shell that ran the tests in the
+    background (`pytest &`) left SIGINT ignored, children inherit that, and a terminal's process
+    has the default."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,8 @@ from oasiskv.cluster.loadtest.datasets import BenchRequest
 from oasiskv.cluster.loadtest.runner import RunConfig, RunInterrupted, run_requests
 from oasiskv.cluster.loadtest.sse import RequestOptions
 
+from ..conftest import default_sigint
+
 
 class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args):  # quiet
@@ -358,11 +360,8 @@ def interrupt_bench(server: Server, tmp_path, prompts: list[str], posts: int, *e
                "--model", "m", "--disable-tqdm", "--dataset", "jsonl", "--jsonl-path", str(path),
                "--num-prompts", str(len(prompts)), "--save-result", "--no-plot", "--result-dir", str(tmp_path),
                "--result-filename", "run.json", *extra]
-    # A shell that ran the tests in the background (`pytest &`) left SIGINT ignored, and children
-    # inherit that: the child gets the default back, as a terminal's process has it.
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "PYTHONPATH": str(root)},
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               env={**os.environ, "PYTHONPATH": str(root)}, preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + 60
         while len(server.posts) < posts:

@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from ..conftest import DEFAULT_MODEL
+from ..conftest import DEFAULT_MODEL, default_sigint
 
 GRACE_S = 3
 
@@ -130,8 +130,7 @@ def test_a_second_ctrl_c_ends_the_requests_at_once_and_shuts_the_cluster_down():
     """uvicorn's force quit on a second Ctrl-C skipped the lifespan: asyncio's exit logged
     tracebacks, and the aborts of the requests it cancelled started a new local Ray."""
     grace_s = 300
-    # A shell that ran the tests in the background left SIGINT ignored; a terminal's serve has it.
-    with _serve(grace_s, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as (proc, url):
+    with _serve(grace_s, preexec_fn=default_sigint) as (proc, url):
         requests = _Requests(url)
         proc.send_signal(signal.SIGINT)
         time.sleep(1.0)  # the first Ctrl-C would let the requests run on for the whole grace
