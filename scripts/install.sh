@@ -27,7 +27,18 @@ command -v "$python" >/dev/null || python=python3
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
-pip_install() { python -m pip install --quiet --disable-pip-version-check "$@" 2>&1 | grep -v "is ignored" || true; }
+# pip's "is ignored" lines (options of the machine's pip config that a requirement overrides) are
+# noise; a failed install (no space left on the disk, say) must still stop the script, with pip's
+# own message, rather than fail later at an import.
+pip_install() {
+  local log
+  if ! log=$(python -m pip install --quiet --disable-pip-version-check "$@" 2>&1); then
+    printf '%s\n' "$log" | grep -v "is ignored" >&2 || true
+    echo "install.sh: pip install $* failed (see pip's message above)" >&2
+    return 1
+  fi
+  printf '%s\n' "$log" | grep -v -e "is ignored" -e "^$" || true
+}
 pip_install "torch==2.13.0"
 pip_install -e "$spec"
 pip_install --no-deps "nixl-cu12==1.5.1" "nixl==1.5.1"

@@ -617,6 +617,7 @@ def test_a_refused_request_is_counted_as_rejected(server):
     assert 'oasiskv_requests_total{status="rejected"}' in httpx.get(f"{server.url}/metrics").text
 
 
+@pytest.mark.slow  # in CI's slow step: keeps the default suite well under 25 minutes
 def test_requests_that_find_the_store_full_wait_for_room(server, client, smollm2_llm):
     """Three requests of which the store holds two at once, sent together: the third waits for one
     of the first two to end and is served, with the tokens it would have had alone. Before, it

@@ -23,6 +23,10 @@ from ..conftest import DEFAULT_MODEL, stdlib_source
 from ..deploy.conftest import require_tool, start_prometheus
 from ..deploy.test_grafana import pq
 
+# In CI's slow step (its load run takes most of a minute), which keeps the default suite well under
+# 25 minutes; tests/deploy/test_grafana.py checks the panels against a real Prometheus by default.
+pytestmark = pytest.mark.slow
+
 NUM_PROMPTS = 6
 
 

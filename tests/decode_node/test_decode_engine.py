@@ -81,7 +81,7 @@ def test_a_request_ended_by_its_first_token_does_not_wait_for_a_seat(smollm2_llm
     assert store.stats().num_requests == 0
 
 
-@pytest.mark.parametrize("mode", ["sparse-current", "lookahead"])
+@pytest.mark.parametrize("mode", [pytest.param("sparse-current", marks=pytest.mark.slow), "lookahead"])
 def test_sliding_window_layers_spend_their_budget_on_blocks_they_can_see(sliding_llm, store, prompts, mode):
     """A 256-token budget holds the whole 128-token window of every layer, so sparse attention
     is exact. The selection ranked every block of the context, and kept blocks the position mask
@@ -173,9 +173,10 @@ def _decode_drafting_for_itself(llm, store, prompt: list[int], params: SamplingP
     return engine, tokens
 
 
-# The slow cases (in CI's slow step) keep the default suite under 25 minutes.
-@pytest.mark.parametrize("penalties", [{"presence_penalty": 2.0, "frequency_penalty": 2.0},
-                                       pytest.param({"repetition_penalty": 1.3}, marks=pytest.mark.slow)])
+# The slow tests and cases of this file run in CI's slow step, which keeps the default suite well
+# under 25 minutes; the API's tests still check penalties and logits processing end to end.
+@pytest.mark.slow
+@pytest.mark.parametrize("penalties", [{"presence_penalty": 2.0, "frequency_penalty": 2.0}, {"repetition_penalty": 1.3}])
 def test_penalized_decoding_matches_the_single_process_engine(smollm2_llm, store, penalties):
     """Each verification row is penalized for the drafts before it, so accepted runs decode as
     one token at a time would."""
@@ -189,8 +190,8 @@ def test_penalized_decoding_matches_the_single_process_engine(smollm2_llm, store
     assert tokens == expected.token_ids
 
 
-@pytest.mark.parametrize("case", [pytest.param("repetition_penalty", marks=pytest.mark.slow), "logit_bias",
-                                  "min_tokens-12"])
+@pytest.mark.parametrize("case", [pytest.param("repetition_penalty", marks=pytest.mark.slow),
+                                  pytest.param("logit_bias", marks=pytest.mark.slow), "min_tokens-12"])
 def test_a_draft_model_processes_its_logits_as_the_target_does(smollm2_llm, store, case):
     """Drafts from the model itself under the request's penalties, biases and min_tokens are what
     the target then picks: nearly all accepted, against far fewer from the same model blind to them."""
@@ -222,7 +223,7 @@ def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
 
 
 @pytest.mark.parametrize("case", [pytest.param("logit_bias", marks=pytest.mark.slow), "min_tokens-12",
-                                  "min_tokens-30", "min_p"])
+                                  "min_tokens-30", pytest.param("min_p", marks=pytest.mark.slow)])
 def test_min_p_min_tokens_and_logit_bias_decode_as_the_single_process_engine(smollm2_llm, store, case):
     """Verification processes each draft row for its own output position (min_tokens bans EOS
     only on the rows before it), and the prefill's first token too; the drafts come from the
@@ -258,6 +259,7 @@ def test_small_budget_fetches_only_the_predicted_blocks(smollm2_llm, store, prom
     assert engine.pool.allocator.num_free == engine.pool.num_rows
 
 
+@pytest.mark.slow
 def test_uint8_summaries_move_a_quarter_and_rank_as_the_values_do(smollm2_llm, store, prompts, reference):
     """Summaries read as 8-bit codes: with a budget covering the context, lookahead still emits
     dense's tokens; with a small one it fetches by its prediction, the summaries moved are a
@@ -324,6 +326,7 @@ def test_sparse_current_counts_its_fetches_as_on_demand_not_as_prefetches(smollm
     assert "on_demand_waits" in c.snapshot()
 
 
+@pytest.mark.slow
 def test_a_shallow_prefetch_depth_fetches_fewer_blocks(smollm2_llm, store, prompts):
     """prefetch_rank_fraction: only blocks the prediction ranks near the top are worth a transfer;
     the rest of the top-K is kept when resident. Same prompts, same budget: fewer blocks move."""
@@ -403,7 +406,7 @@ def test_write_back_summarizes_as_the_prompt_was(smollm2_llm, store, prompts, ki
     assert store.stats().num_requests == 0
 
 
-@pytest.mark.parametrize("catch_up_budget", [None, 0])
+@pytest.mark.parametrize("catch_up_budget", [pytest.param(None, marks=pytest.mark.slow), 0])
 def test_self_drafting_model_matches_and_is_accepted(smollm2_llm, store, prompts, reference, catch_up_budget):
     """With budget 0 every request catches up one chunk a step, verifying one row meanwhile."""
     model, tok = smollm2_llm.model, smollm2_llm.tokenizer

@@ -391,6 +391,7 @@ def decode_beside_a_late_request(smollm2_llm, frozen_address, frozen, contacted_
         surviving.stop()
 
 
+@pytest.mark.slow  # in CI's slow step: keeps the default suite well under 25 minutes
 @pytest.mark.parametrize("contacted_before, late_error_text", [
     (True, "not admitted: StoreTimeout"),  # its first working set is read off the decode loop
     (False, "did not answer 'ping'"),  # the worker connects to the store off the decode loop
