@@ -15,6 +15,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from ..conftest import DEFAULT_MODEL, default_sigint
 
@@ -126,6 +127,7 @@ def test_sigterm_ends_requests_in_flight_with_a_503_after_the_grace_period_and_e
         _assert_shut_down_cleanly(stderr)
 
 
+@pytest.mark.slow  # in CI's slow step: keeps the default suite well under 25 minutes
 def test_a_second_ctrl_c_ends_the_requests_at_once_and_shuts_the_cluster_down():
     """uvicorn's force quit on a second Ctrl-C skipped the lifespan: asyncio's exit logged
     tracebacks, and the aborts of the requests it cancelled started a new local Ray."""
