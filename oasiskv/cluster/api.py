@@ -1,5 +1,6 @@
 """OpenAI-compatible REST API (FastAPI): completions and chat, streaming or not, models,
-health and metrics. Errors use OpenAI's error JSON with the matching HTTP status."""
+vLLM's tokenize and detokenize, health and metrics. Errors use OpenAI's error JSON with the
+matching HTTP status."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from .logprobs import LogprobFormatter
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     UnsupportedFeature,
     error_body,
     new_id,
@@ -43,6 +46,9 @@ log = logging.getLogger("oasiskv.api")
 
 MAX_BODY_BYTES = 8 * 2**20
 DEFAULT_MAX_TOKENS = 16
+# vLLM serves these at the root, not under /v1; they tokenize as much as a completion does, so
+# the API key and the body limit cover them too.
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 
 
 class ApiError(Exception):
@@ -82,7 +88,7 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
 
     @app.middleware("http")
     async def _auth_and_size(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
+        if request.url.path.startswith("/v1/") or request.url.path in TOKENIZER_PATHS:
             if config.api_key:
                 supplied = request.headers.get("authorization", "")
                 if not secrets.compare_digest(supplied, f"Bearer {config.api_key}"):
@@ -166,14 +172,45 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         _check(body, config.model_name)
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            ids = await asyncio.to_thread(service.tokenizer.apply_chat_template, messages, **body.template_variables())
-        except Exception as exc:  # a template that refuses the conversation (roles out of order...)
-            raise ApiError(400, f"chat template failed: {exc}", "invalid_request_error", "messages") from exc
+        ids = await _chat_prompt_ids(service.tokenizer, body)
         return await _serve(service, request, body, [ids], "chat.completion")
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's: the prompt's token ids (the chat endpoint's, for messages) and max_model_len; a
+        prompt over max_model_len is counted, not refused, so a client can see by how much."""
+        _check(body, config.model_name)
+        tokenizer = service.tokenizer
+        if body.messages is not None:
+            ids = await _chat_prompt_ids(tokenizer, body, bool(body.add_special_tokens))
+        else:
+            special = body.add_special_tokens is not False
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, special)
+        strings = [tokenizer.id_to_token(i) for i in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": service.max_model_len, "tokens": ids, "token_strs": strings}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check(body, config.model_name)
+        vocab = service.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"tokens must be in [0, {vocab})", "invalid_request_error", "tokens")
+        return {"prompt": await asyncio.to_thread(service.tokenizer.decode, body.tokens)}
+
     return app
+
+
+async def _chat_prompt_ids(tokenizer, body, add_special_tokens: bool = False) -> list[int]:
+    """The messages rendered by the chat template, as token ids. The template writes any BOS
+    itself; `add_special_tokens` adds the tokenizer's own on top, as vLLM's /tokenize may."""
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,
+                                       **body.template_variables())
+        # In the try too: a tool's text, rendered, may be a lone surrogate that cannot be encoded.
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens)
+    except Exception as exc:  # a template that refuses the conversation (roles out of order...)
+        raise ApiError(400, f"chat template failed: {exc}", "invalid_request_error", "messages") from exc
 
 
 def _model_card(name: str, root: str, max_model_len: int) -> dict:

@@ -36,7 +36,7 @@ _UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty",
                             "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
-class _SamplingFields(BaseModel):
+class _Lenient(BaseModel):
     # Unknown fields are kept aside, not refused (OpenAI clients send fields of newer API
     # versions), and the API logs them: a misspelt `max_token` was dropped without a trace.
     model_config = ConfigDict(extra="allow")
@@ -46,6 +46,12 @@ class _SamplingFields(BaseModel):
         return sorted(self.model_extra or ())
 
     model: str | None = None  # None: the model served
+
+    def check_supported(self) -> None:
+        """Raises UnsupportedFeature for a valid field this server does not implement."""
+
+
+class _SamplingFields(_Lenient):
     max_tokens: int | None = Field(None, ge=1)
     # null is the default for the fields OpenAI marks nullable, as vLLM takes it (`_null_is_default`):
     # the openai client sends temperature=None as null, which was a 422.
@@ -98,6 +104,7 @@ class _SamplingFields(BaseModel):
         return cls.model_fields[info.field_name].default if value is None else value
 
     def check_supported(self) -> None:
+        super().check_supported()
         if not 1 <= self.n <= MAX_CHOICES:
             raise UnsupportedFeature(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.stream_options is not None and not self.stream:
@@ -128,14 +135,18 @@ class _SamplingFields(BaseModel):
         return self.include_usage and bool((self.stream_options or {}).get("continuous_usage_stats"))
 
 
+def _require_integers(ids, what: str) -> None:
+    for token in ids:
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise ValueError(f"{what} must be JSON integers, got {token!r}")
+
+
 def _token_ids_are_integers(value):
     """JSON's true, 1.0 or "1" among token ids is a client's bug, not token 1: named here, where
     the union's first error would say that the prompt should be a string."""
     if isinstance(value, list) and not all(isinstance(item, str) for item in value):
         for ids in value if all(isinstance(item, list) for item in value) else [value]:
-            for token in ids:
-                if not isinstance(token, int) or isinstance(token, bool):
-                    raise ValueError(f"prompt token ids must be JSON integers, got {token!r}")
+            _require_integers(ids, "prompt token ids")
     return value
 
 
@@ -204,18 +215,39 @@ class ChatMessage(BaseModel):
         return self
 
 
-class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    # Refused rather than ignored: a client that asks for a tool call must not get free text.
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    top_logprobs: int | None = None
-    logprobs: bool | None = None  # chat's is a boolean (completions' a count): 3 is refused, as in vLLM
+class _ChatTemplateFields(BaseModel):
+    """What the chat template renders besides the messages, as vLLM passes it."""
+
     # vLLM's chat-template extensions; they were logged as ignored, so the prompt was not the one asked for.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    tools: list | None = None
+
+    def check_template_fields(self) -> None:
+        if self.continue_final_message:
+            raise UnsupportedFeature("continue_final_message is not supported")
+        reserved = set(self.chat_template_kwargs or {}) & {"messages", "add_generation_prompt", "tools", "tokenize",
+                                                        "bos_token", "eos_token", "pad_token"}
+        if reserved:
+            raise UnsupportedFeature(f"chat_template_kwargs may not set {sorted(reserved)}: they are the request's own fields")
+
+    def template_variables(self) -> dict:
+        """Tools are described to the model (Qwen's template writes them out) even where they are
+        declined, as vLLM renders them."""
+        variables = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
+        if self.tools:
+            variables["tools"] = self.tools
+        return variables
+
+
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    # Tools are refused rather than ignored: a client that asks for a tool call must not get free text.
+    tool_choice: str | dict | None = None
+    top_logprobs: int | None = None
+    logprobs: bool | None = None  # chat's is a boolean (completions' a count): 3 is refused, as in vLLM
     # vLLM's: the reply starts with the last message's content when that message is the assistant's.
     echo: bool | None = False
 
@@ -235,26 +267,47 @@ class ChatCompletionRequest(_SamplingFields):
             raise UnsupportedFeature("when using tool_choice, tools must be set")
         if self.tools and self.tool_choice != "none":
             raise UnsupportedFeature("tools (function calling) are not supported")
-        if self.continue_final_message:
-            raise UnsupportedFeature("continue_final_message is not supported")
-        reserved = set(self.chat_template_kwargs or {}) & {"messages", "add_generation_prompt", "tools", "tokenize",
-                                                        "bos_token", "eos_token", "pad_token"}
-        if reserved:
-            raise UnsupportedFeature(f"chat_template_kwargs may not set {sorted(reserved)}: they are the request's own fields")
-
-    def template_variables(self) -> dict:
-        """What the chat template renders besides the messages, as vLLM passes it: declined tools
-        are still described to the model (Qwen's template writes them out)."""
-        variables = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
-        if self.tools:
-            variables["tools"] = self.tools
-        return variables
+        self.check_template_fields()
 
     def echoed(self) -> str:
         """What the reply starts with under `echo`: the last message's content when that message
         is the assistant's (a reply being continued), else nothing, as vLLM does it."""
         last = self.messages[-1]
         return last.content if self.echo and last.role == "assistant" and last.content else ""
+
+
+class TokenizeRequest(_Lenient, _ChatTemplateFields):
+    """vLLM's /tokenize: a prompt, or messages rendered by the chat template as the chat endpoint
+    renders them, so a client can size a long prompt against max_model_len before sending it."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    # None: True for a prompt, False for messages (the template writes any BOS), as vLLM's defaults.
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = False
+
+    _prompt_text = field_validator("prompt")(_encodable)
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give either prompt or messages")
+        return self
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        self.check_template_fields()
+
+
+class DetokenizeRequest(_Lenient):
+    tokens: list[int]
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _integers(cls, value):
+        if isinstance(value, list):
+            _require_integers(value, "tokens")
+        return value
 
 
 def new_id(prefix: str) -> str:

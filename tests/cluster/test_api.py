@@ -55,6 +55,28 @@ def test_completion_matches_the_engine(client, smollm2_llm):
     assert out.usage.completion_tokens == 24 and out.choices[0].finish_reason == "length"
 
 
+def test_tokenize_counts_what_a_completion_or_chat_is_billed(server, client):
+    """vLLM's /tokenize and /detokenize (the openai client has neither), behind the API key: the
+    count is the prompt_tokens of a completion of the same prompt, or of a chat of the same
+    messages, and detokenize gives the prompt back. The rest: test_tokenize_endpoint.py."""
+    def post(path: str, body: dict) -> dict:
+        reply = httpx.post(f"{server.url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    prompt = "def fibonacci(n):\n    # 世界 🎉"
+    counted = post("/tokenize", {"model": DEFAULT_MODEL, "prompt": prompt})
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    assert counted["count"] == out.usage.prompt_tokens
+    assert counted["max_model_len"] == httpx.get(f"{server.url}/v1/models", headers={
+        "Authorization": f"Bearer {API_KEY}"}).json()["data"][0]["max_model_len"]
+    assert post("/detokenize", {"tokens": counted["tokens"]}) == {"prompt": prompt}
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime."}]
+    chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=1, temperature=0)
+    assert post("/tokenize", {"messages": messages})["count"] == chat.usage.prompt_tokens
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).status_code == 401
+
+
 def test_a_temperature_or_top_p_near_zero_is_served_greedily_beside_other_requests(client, smollm2_llm):
     """temperature 1e-40 (or top_p 1e-320) made the sampler divide into inf and sample from NaN:
     503 'retry it', and a request decoding in the same step failed with it."""
