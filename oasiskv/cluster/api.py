@@ -280,6 +280,7 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
 async def _serve(service: ClusterService, request: Request, body, prompts: list[list[int]], kind: str):
     """Serve `body.n` choices for each of `prompts` (token ids), as one response or one stream."""
     config = service.config
+    prompts = [_truncated(ids, body.truncate_prompt_tokens, service.max_model_len) for ids in prompts]
     prompt_params = [_sampling(body, len(ids), service.max_model_len) for ids in prompts]
     params = prompt_params[0]  # the same but for max_tokens, cut to each prompt's room
     if config.prefill_engine == "vllm":
@@ -369,6 +370,17 @@ def _request_failed(service: ClusterService, exc: Exception) -> ApiError:
     if isinstance(exc, TimeoutError):
         return ApiError(504, "the request timed out", "timeout")
     return _failed(exc)  # a worker died mid-request: the request is lost, the server is not
+
+
+def _truncated(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: max_model_len's worth);
+    of a chat, the rendered template's, as vLLM cuts it."""
+    if keep is None:
+        return ids
+    if keep > max_model_len:
+        raise ApiError(400, f"truncate_prompt_tokens ({keep}) is greater than max_model_len ({max_model_len}); "
+                            "give a smaller one", "invalid_request_error", "truncate_prompt_tokens")
+    return ids[-(max_model_len if keep == -1 else keep):]
 
 
 def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

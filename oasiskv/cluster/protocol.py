@@ -32,7 +32,7 @@ def _encodable(value):
 
 
 _UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty",
-                            "bad_words", "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens",
+                            "bad_words", "allowed_token_ids", "prompt_logprobs",
                             "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -77,6 +77,9 @@ class _SamplingFields(_Lenient):
     repetition_penalty: float | None = 1.0
     min_tokens: int | None = 0
     min_p: float | None = 0.0
+    # vLLM's: keep only the prompt's last k tokens (-1: max_model_len's worth), e.g. a long
+    # document's end, where the question is. Checked against max_model_len by the API.
+    truncate_prompt_tokens: int | None = None
     # vLLM's extensions that are not implemented: refused unless left at these values, since a
     # request that sets one expects it to take effect (they were ignored, and the output differed).
     use_beam_search: bool = False
@@ -84,7 +87,6 @@ class _SamplingFields(_Lenient):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None
     structured_outputs: dict | None = None  # vLLM 0.32's name for what guided_* did
     guided_json: str | dict | None = None
     guided_regex: str | None = None
@@ -113,6 +115,10 @@ class _SamplingFields(_Lenient):
             if getattr(self, name) not in (type(self).model_fields[name].default, [], {}):
                 raise UnsupportedFeature(f"{name} is not supported (free text only)" if name == "structured_outputs"
                                          else f"{name} is not supported")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1
+                                                            or self.truncate_prompt_tokens == -1):
+            raise UnsupportedFeature(f"truncate_prompt_tokens must be an integer >= 1 or -1, got "
+                                     f"{self.truncate_prompt_tokens}")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise UnsupportedFeature(f"response_format {kind!r} is not supported (free text only)")

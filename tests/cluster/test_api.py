@@ -77,6 +77,22 @@ def test_tokenize_counts_what_a_completion_or_chat_is_billed(server, client):
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).status_code == 401
 
 
+def test_truncate_prompt_tokens_serves_the_prompts_end(client, smollm2_llm):
+    """vLLM's truncate_prompt_tokens (refused before): a prompt over the context is served from
+    its last k tokens as that end alone is, and billed for k; a chat's rendered template is cut
+    the same way."""
+    ids = smollm2_llm.encode(stdlib_source("argparse.py"))[:9000]  # over SmolLM2's 8,192
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=12, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 300})
+    assert out.usage.prompt_tokens == 300 and out.choices[0].text == _expected(smollm2_llm, ids[-300:], 12)
+    messages = [{"role": "user", "content": stdlib_source("argparse.py")[:4000]}]
+    chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=4, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 200})
+    rendered = smollm2_llm.tokenizer.apply_chat_template(messages)
+    assert len(rendered) > 200 and chat.usage.prompt_tokens == 200
+    assert chat.choices[0].message.content == _expected(smollm2_llm, rendered[-200:], 4)
+
+
 def test_a_temperature_or_top_p_near_zero_is_served_greedily_beside_other_requests(client, smollm2_llm):
     """temperature 1e-40 (or top_p 1e-320) made the sampler divide into inf and sample from NaN:
     503 'retry it', and a request decoding in the same step failed with it."""
@@ -380,6 +396,12 @@ def _post(server, path: str, body: dict) -> httpx.Response:
         ({"model": DEFAULT_MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0, 2]"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "truncate_prompt_tokens": 0}, 400,
+         "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "truncate_prompt_tokens": 9000}, 400,
+         "truncate_prompt_tokens (9000) is greater than max_model_len (8192)"),
+        # -1 keeps max_model_len's worth: no room is left for the output.
+        ({"model": DEFAULT_MODEL, "prompt": [1] * 9000, "truncate_prompt_tokens": -1}, 400, "context"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, body, status, fragment):
