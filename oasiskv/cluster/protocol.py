@@ -221,39 +221,47 @@ class ChatMessage(BaseModel):
         return self
 
 
-class _ChatTemplateFields(BaseModel):
-    """What the chat template renders besides the messages, as vLLM passes it."""
-
-    # vLLM's chat-template extensions; they were logged as ignored, so the prompt was not the one asked for.
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict | None = None
-    tools: list | None = None
+class _ChatTemplate:
+    """How a request's chat-template fields (vLLM's: `add_generation_prompt`,
+    `continue_final_message`, `chat_template_kwargs`, `chat_template`; and `tools`) are checked and
+    passed to the template; each request declares the fields in its own order, which is the
+    order its validation errors are found in."""
 
     def check_template_fields(self) -> None:
-        if self.continue_final_message:
-            raise UnsupportedFeature("continue_final_message is not supported")
+        if self.chat_template is not None:  # vLLM too refuses it unless told to trust request templates
+            raise UnsupportedFeature("chat_template is not supported: the model's own template is used")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise UnsupportedFeature("continue_final_message needs add_generation_prompt: false (the reply goes "
+                                     "on inside the final message, not in a new one)")
         reserved = set(self.chat_template_kwargs or {}) & {"messages", "add_generation_prompt", "tools", "tokenize",
-                                                        "bos_token", "eos_token", "pad_token"}
+                                                        "bos_token", "eos_token", "pad_token",
+                                                        "continue_final_message", "self"}
         if reserved:
             raise UnsupportedFeature(f"chat_template_kwargs may not set {sorted(reserved)}: they are the request's own fields")
 
     def template_variables(self) -> dict:
         """Tools are described to the model (Qwen's template writes them out) even where they are
         declined, as vLLM renders them."""
-        variables = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt}
+        variables = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
+                     "continue_final_message": self.continue_final_message}
         if self.tools:
             variables["tools"] = self.tools
         return variables
 
 
-class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+class ChatCompletionRequest(_SamplingFields, _ChatTemplate):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    # Tools are refused rather than ignored: a client that asks for a tool call must not get free text.
+    # Refused rather than ignored: a client that asks for a tool call must not get free text.
+    tools: list | None = None
     tool_choice: str | dict | None = None
     top_logprobs: int | None = None
     logprobs: bool | None = None  # chat's is a boolean (completions' a count): 3 is refused, as in vLLM
+    # vLLM's chat-template extensions; they were logged as ignored, so the prompt was not the one asked for.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    chat_template: str | None = None  # refused: see check_template_fields
     # vLLM's: the reply starts with the last message's content when that message is the assistant's.
     echo: bool | None = False
 
@@ -282,12 +290,17 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
         return last.content if self.echo and last.role == "assistant" and last.content else ""
 
 
-class TokenizeRequest(_Lenient, _ChatTemplateFields):
+class TokenizeRequest(_Lenient, _ChatTemplate):
     """vLLM's /tokenize: a prompt, or messages rendered by the chat template as the chat endpoint
     renders them, so a client can size a long prompt against max_model_len before sending it."""
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    chat_template: str | None = None
     # None: True for a prompt, False for messages (the template writes any BOS), as vLLM's defaults.
     add_special_tokens: bool | None = None
     return_token_strs: bool | None = False
@@ -302,7 +315,8 @@ class TokenizeRequest(_Lenient, _ChatTemplateFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        self.check_template_fields()
+        if self.messages is not None:  # a prompt's request has no template to render
+            self.check_template_fields()
 
 
 class DetokenizeRequest(_Lenient):

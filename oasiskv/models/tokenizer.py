@@ -61,12 +61,17 @@ class ChatTokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         tokenize: bool = True,
+        continue_final_message: bool = False,
         **template_vars,
     ) -> str | list[int]:
         """Token ids by default, like transformers: encoding the returned text again with
-        `encode()` would add a second BOS for Gemma, whose template writes `<bos>` itself."""
+        `encode()` would add a second BOS for Gemma, whose template writes `<bos>` itself.
+        `continue_final_message` ends the prompt inside the last message (a reply the model goes on
+        with), where transformers ends it: after the last place the message's text appears."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         text = self._template.render(
             messages=developer_as_system(messages, self.chat_template),
             add_generation_prompt=add_generation_prompt,
@@ -75,6 +80,8 @@ class ChatTokenizer:
             pad_token=self.pad_token or "",
             **template_vars,
         )
+        if continue_final_message:
+            text = _up_to_final_message(text, messages[-1].get("content") or "")
         # The template writes any BOS itself; encoding must not add a second one.
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -88,6 +95,16 @@ class ChatTokenizer:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
+
+
+def _up_to_final_message(rendered: str, final: str) -> str:
+    """The rendered chat cut after the final message's text, so the turn is left open. Templates
+    that strip a message before writing it (Llama 3's) are found by the stripped text."""
+    for text in (final, final.strip()):
+        if text and text in rendered:
+            return rendered[: rendered.rindex(text) + len(text)]
+    raise ValueError("continue_final_message needs the final message's text in the rendered chat, and it is not "
+                     "there (an empty message, or a template that rewrites it)")
 
 
 def require_unicode(text: str) -> None:

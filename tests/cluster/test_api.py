@@ -909,6 +909,20 @@ def test_chat_echo_starts_the_reply_with_the_assistant_message_it_continues(clie
     assert not user_last.choices[0].message.content.startswith("Name a fruit.")
 
 
+def test_continue_final_message_goes_on_inside_the_assistants_turn(client, smollm2_llm):
+    """vLLM's continue_final_message (refused before): the prompt ends with the final message's
+    text, its turn left open (transformers' rendering: tests/models/test_convert.py), and the
+    reply is the engine's continuation of exactly that prompt."""
+    messages = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "The answer is"}]
+    extra = {"add_generation_prompt": False, "continue_final_message": True}
+    reply = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=6, temperature=0,
+                                           extra_body=extra)
+    ids = smollm2_llm.tokenizer.apply_chat_template(messages, **extra)
+    closed = smollm2_llm.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    assert smollm2_llm.tokenizer.decode(ids).endswith("assistant\nThe answer is") and len(ids) < len(closed)
+    assert reply.usage.prompt_tokens == len(ids) and reply.choices[0].message.content == _expected(smollm2_llm, ids, 6)
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client):
     chunks = list(client.completions.create(
         model=DEFAULT_MODEL, prompt="def fibonacci(n):", max_tokens=8, temperature=0, stream=True,
@@ -1118,7 +1132,8 @@ def test_chat_template_options_shape_the_prompt_as_vllm_does(server, smollm2_llm
     assert prompt_tokens() == with_prompt
     assert prompt_tokens(add_generation_prompt=False) == without
     assert prompt_tokens(chat_template_kwargs={"unused_by_this_template": True}) == with_prompt
-    for extra, fragment in (({"continue_final_message": True}, "continue_final_message"),
+    for extra, fragment in (({"continue_final_message": True}, "continue_final_message needs add_generation_prompt: false"),
+                            ({"chat_template": "{{ messages }}"}, "chat_template is not supported"),
                             ({"chat_template_kwargs": {"messages": []}}, "may not set ['messages']")):
         response = _post(server, "chat/completions", {"model": DEFAULT_MODEL, "messages": messages, **extra})
         assert response.status_code == 400 and fragment in response.text, response.text

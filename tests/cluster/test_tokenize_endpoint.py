@@ -65,6 +65,16 @@ def test_messages_are_counted_as_the_chat_template_renders_them(tokenizer):
     assert asked == bare + header
 
 
+def test_continue_final_message_leaves_the_final_turn_open(tokenizer):
+    chat = CHAT + [{"role": "assistant", "content": "Keys"}]
+    body = {"messages": chat, "add_generation_prompt": False, "continue_final_message": True}
+    asked = _client(tokenizer).post("/tokenize", json=body).json()["tokens"]
+    closed = tokenizer.apply_chat_template(chat, add_generation_prompt=False)
+    assert tokenizer.decode(asked).endswith("<|im_start|>assistant\nKeys") and closed[: len(asked)] == asked
+    # Chat fields in a prompt's request have no template to go to: not refused.
+    assert _client(tokenizer).post("/tokenize", json={"prompt": "a", "continue_final_message": True}).status_code == 200
+
+
 def test_special_tokens_are_added_as_vllms_defaults_say(tokenizer):
     """A prompt gets the tokenizer's BOS unless add_special_tokens is false; messages get none
     unless it is true, since a template writes its own. A copy of SmolLM2's tokenizer that adds a
@@ -95,13 +105,18 @@ def test_a_prompt_over_max_model_len_is_counted_not_refused(tokenizer):
 
 
 @pytest.mark.parametrize("path, body, status, message", [
-    ("/tokenize", {}, 400, "give either prompt or messages"),
+    ("/tokenize", {}, 400, "invalid request: give either prompt or messages"),
     ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "give either prompt or messages"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/tokenize", {"prompt": "\ud800"}, 400, "not valid Unicode"),
     ("/tokenize", {"model": "gpt-4", "prompt": "a"}, 404, "model 'gpt-4' does not exist"),
-    ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400, "continue_final_message is not supported"),
+    ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400,
+     "continue_final_message needs add_generation_prompt: false"),
+    ("/tokenize", {"messages": CHAT + [{"role": "assistant", "content": ""}], "continue_final_message": True,
+                   "add_generation_prompt": False}, 400, "continue_final_message needs the final message's text"),
+    ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template is not supported"),
+    ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"self": 1}}, 400, "may not set ['self']"),
     ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400, "may not set ['messages']"),
     ("/detokenize", {"tokens": [1, 49152]}, 400, "tokens must be in [0, 49152)"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens must be in [0, 49152)"),
@@ -116,6 +131,7 @@ def test_bad_requests_are_refused_with_the_reason(tokenizer, path, body, status,
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
     assert message in error["message"] and error["type"] in ("invalid_request_error", "not_found_error")
+    assert "Value error" not in error["message"] and "(None)" not in error["message"]
 
 
 def test_the_api_key_guards_both(tokenizer):
