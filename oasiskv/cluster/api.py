@@ -23,6 +23,7 @@ from .. import __version__
 from ..models.sampling import (
     SamplingParams,
     TokenLogprob,
+    require_known_allowed_tokens,
     require_known_bias_tokens,
     require_known_stop_tokens,
     stream_seed,
@@ -285,7 +286,8 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
                               include_stop_str_in_output=body.include_stop_str_in_output,
                               logprobs=body.logprobs_requested(), presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
-                              min_p=body.min_p, min_tokens=body.min_tokens, logit_bias=body.logit_bias)
+                              min_p=body.min_p, min_tokens=body.min_tokens, logit_bias=body.logit_bias,
+                              allowed_token_ids=body.allowed_token_ids)
     except (ValueError, ValidationError) as exc:
         raise ApiError(400, str(exc), "invalid_request_error") from exc
 
@@ -310,6 +312,10 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
         require_known_bias_tokens(params, service.tokenizer.vocab_size)
     except ValueError as exc:
         raise ApiError(400, str(exc), "invalid_request_error", "logit_bias") from exc
+    try:
+        require_known_allowed_tokens(params, service.tokenizer.vocab_size, service.eos_token_ids)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "invalid_request_error", "allowed_token_ids") from exc
     block = service.config.decode.block_size
     if body.oasiskv_budget_tokens is not None and body.oasiskv_budget_tokens % block:
         raise ApiError(400, f"oasiskv_budget_tokens must be a multiple of the block size ({block}), got "

@@ -32,7 +32,7 @@ def _encodable(value):
 
 
 _UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty",
-                            "bad_words", "allowed_token_ids", "prompt_logprobs",
+                            "bad_words", "prompt_logprobs",
                             "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -80,12 +80,12 @@ class _SamplingFields(_Lenient):
     # vLLM's: keep only the prompt's last k tokens (-1: max_model_len's worth), e.g. a long
     # document's end, where the question is. Checked against max_model_len by the API.
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: ids and range checked by SamplingParams and the API
     # vLLM's extensions that are not implemented: refused unless left at these values, since a
     # request that sets one expects it to take effect (they were ignored, and the output differed).
     use_beam_search: bool = False
     length_penalty: float = 1.0
     bad_words: list[str] | None = None
-    allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     structured_outputs: dict | None = None  # vLLM 0.32's name for what guided_* did
     guided_json: str | dict | None = None
@@ -124,6 +124,13 @@ class _SamplingFields(_Lenient):
             raise UnsupportedFeature(f"response_format {kind!r} is not supported (free text only)")
 
     _stop_text = field_validator("stop")(_encodable)
+
+    @field_validator("allowed_token_ids", mode="before")
+    @classmethod
+    def _allowed_are_integers(cls, value):
+        if isinstance(value, list):
+            _require_integers(value, "allowed_token_ids")
+        return value
 
     @property
     def stop_list(self) -> list[str]:

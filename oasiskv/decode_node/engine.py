@@ -194,7 +194,7 @@ class DecodeEngine:
             # Both would free the same store request when they finish, and the other would fail mid-step.
             raise ValueError(f"request {prefill.request_id!r} is already in this engine")
         self._check_layout(prefill)
-        require_known_tokens(params, self.model.config.vocab_size)
+        require_known_tokens(params, self.model.config.vocab_size, self.eos_token_ids)
         context = self.model.config.max_position_embeddings
         if len(prefill.prompt_ids) + params.max_tokens > context:
             raise RequestTooLarge(

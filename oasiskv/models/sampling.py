@@ -66,6 +66,9 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # vLLM's allowed_token_ids: only these tokens may be generated (None: any), e.g. a choice
+    # among labels.
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
         if self.stop is None:  # vLLM's default
@@ -111,6 +114,11 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         self.logit_bias = _checked_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)) or not self.allowed_token_ids \
+                    or not all(_is_int(t) for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
 
     @property
     def greedy(self) -> bool:
@@ -123,7 +131,7 @@ class SamplingParams:
     @property
     def processed(self) -> bool:
         """Whether the logits are changed before sampling (`process_logits`)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
 
 
 def require_known_stop_tokens(params: SamplingParams, vocab_size: int) -> None:
@@ -141,10 +149,28 @@ def require_known_bias_tokens(params: SamplingParams, vocab_size: int) -> None:
         raise ValueError(f"logit_bias token id {bad[0]} is not in the model's vocabulary [0, {vocab_size})")
 
 
-def require_known_tokens(params: SamplingParams, vocab_size: int) -> None:
-    """Every token id the request names (stop_token_ids, logit_bias) is one the model has."""
+def require_known_allowed_tokens(params: SamplingParams, vocab_size: int, eos_token_ids=()) -> None:
+    """Allowed ids the model does not have would index past its logits; and min_tokens that bans
+    every allowed token (each a stop) would leave nothing to generate: refused, as a request that
+    cannot be served."""
+    allowed = params.allowed_token_ids
+    if allowed is None:
+        return
+    bad = [t for t in allowed if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"allowed_token_ids must be in [0, {vocab_size}), got {bad[:5]}")
+    stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if params.min_tokens and set(allowed) <= stops:
+        raise ValueError(f"allowed_token_ids are all stop tokens, which min_tokens ({params.min_tokens}) bans: no "
+                         "token could be generated")
+
+
+def require_known_tokens(params: SamplingParams, vocab_size: int, eos_token_ids=()) -> None:
+    """Every token id the request names (stop_token_ids, logit_bias, allowed_token_ids) is one the
+    model has."""
     require_known_stop_tokens(params, vocab_size)
     require_known_bias_tokens(params, vocab_size)
+    require_known_allowed_tokens(params, vocab_size, eos_token_ids)
 
 
 def _is_int(value) -> bool:
@@ -190,9 +216,13 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
                    drafts: list[int] = (), eos_token_ids=()) -> torch.Tensor:
     """The logits the request samples from, rows [1 + len(drafts), V]: row i is output position
     len(output_ids) + i and follows the output and drafts[:i] (a speculative step verifies several
-    positions at once). In vLLM's order: min_tokens, logit_bias, then the penalties. A new fp32
-    tensor; the raw logits stay for the logprobs, which are vLLM's raw ones."""
+    positions at once). In vLLM's order: allowed_token_ids, min_tokens, logit_bias, then the
+    penalties. A new fp32 tensor; the raw logits stay for the logprobs, which are vLLM's raw ones."""
     logits = logits.float().clone()
+    if params.allowed_token_ids is not None:
+        allowed = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)] = True
+        logits[:, ~allowed] = float("-inf")
     _ban_stops_before_min_tokens(logits, params, len(output_ids), eos_token_ids)
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)

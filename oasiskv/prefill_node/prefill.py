@@ -129,7 +129,7 @@ class Prefiller:
         num_tokens = len(prompt_ids)
         if any(not 0 <= t < config.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {config.vocab_size}) for this model")
-        require_known_tokens(params, config.vocab_size)
+        require_known_tokens(params, config.vocab_size, self.eos_token_ids)
         if num_tokens >= config.max_position_embeddings:
             raise ValueError(f"the prompt ({num_tokens} tokens) leaves no room in the model's context of "
                              f"{config.max_position_embeddings} tokens")

@@ -115,6 +115,7 @@ def to_vllm_sampling(params: SamplingParams, request_id: str, store_address: str
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         logit_bias=dict(params.logit_bias) or None,
+        allowed_token_ids=params.allowed_token_ids,
         extra_args={"kv_transfer_params": {REQUEST_ID_PARAM: request_id, STORE_PARAM: store_address}},
         **_first_token_min_tokens(params),
     )

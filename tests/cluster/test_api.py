@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 
@@ -75,6 +76,24 @@ def test_tokenize_counts_what_a_completion_or_chat_is_billed(server, client):
     chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=1, temperature=0)
     assert post("/tokenize", {"messages": messages})["count"] == chat.usage.prompt_tokens
     assert httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).status_code == 401
+
+
+def test_allowed_token_ids_restrict_the_output_greedy_or_sampled(client, smollm2_llm):
+    """vLLM's allowed_token_ids (refused before): greedy output is the engine's under the same
+    restriction, and sampled choices too are made of the allowed tokens alone."""
+    prompt = "Is the sky blue? Answer yes or no:"
+    words = (" yes", " no", " maybe", ".")
+    allowed = sorted({smollm2_llm.encode(word)[0] for word in words})
+    assert [smollm2_llm.tokenizer.decode([t]) for t in allowed] == sorted(words, key=lambda w: smollm2_llm.encode(w)[0])
+    greedy = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                       extra_body={"allowed_token_ids": allowed})
+    expected = smollm2_llm.generate([smollm2_llm.encode(prompt)], SamplingParams(max_tokens=8, allowed_token_ids=allowed))
+    assert greedy.choices[0].text == expected[0].text
+    sampled = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=12, temperature=1.5, seed=3,
+                                        n=3, extra_body={"allowed_token_ids": allowed})
+    pattern = "(?:" + "|".join(re.escape(w) for w in words) + ")*"
+    assert all(re.fullmatch(pattern, choice.text) for choice in sampled.choices), [c.text for c in sampled.choices]
+    assert len({choice.text for choice in sampled.choices}) > 1
 
 
 def test_truncate_prompt_tokens_serves_the_prompts_end(client, smollm2_llm):
@@ -400,6 +419,14 @@ def _post(server, path: str, body: dict) -> httpx.Response:
          "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "truncate_prompt_tokens": 9000}, 400,
          "truncate_prompt_tokens (9000) is greater than max_model_len (8192)"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "allowed_token_ids": []}, 400,
+         "allowed_token_ids must be a non-empty list of token ids"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "allowed_token_ids": [5, 99999999]}, 400,
+         "allowed_token_ids must be in [0, 49152), got [99999999]"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "allowed_token_ids": [5, True]}, 400,
+         "allowed_token_ids must be JSON integers, got True"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 2,
+          "max_tokens": 4}, 400, "allowed_token_ids are all stop tokens"),
         # -1 keeps max_model_len's worth: no room is left for the output.
         ({"model": DEFAULT_MODEL, "prompt": [1] * 9000, "truncate_prompt_tokens": -1}, 400, "context"),
     ],

@@ -191,7 +191,8 @@ def test_penalized_decoding_matches_the_single_process_engine(smollm2_llm, store
 
 
 @pytest.mark.parametrize("case", [pytest.param("repetition_penalty", marks=pytest.mark.slow),
-                                  pytest.param("logit_bias", marks=pytest.mark.slow), "min_tokens-12"])
+                                  pytest.param("logit_bias", marks=pytest.mark.slow), "min_tokens-12",
+                                  pytest.param("allowed_token_ids", marks=pytest.mark.slow)])
 def test_a_draft_model_processes_its_logits_as_the_target_does(smollm2_llm, store, case):
     """Drafts from the model itself under the request's penalties, biases and min_tokens are what
     the target then picks: nearly all accepted, against far fewer from the same model blind to them."""
@@ -215,6 +216,9 @@ def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
     if case == "logit_bias":  # bans two words of the passage, and leans to another
         bias = {llm.encode(" fox")[0]: -100, llm.encode(" dozen")[0]: -100, llm.encode(" cat")[0]: 4}
         return repeated, SamplingParams(max_tokens=64, ignore_eos=True, logit_bias=bias)
+    if case == "allowed_token_ids":  # the passage's own tokens but two of its words
+        banned = {llm.encode(" fox")[0], llm.encode(" dozen")[0]}
+        return repeated, SamplingParams(max_tokens=64, ignore_eos=True, allowed_token_ids=sorted(set(repeated) - banned))
     if case.startswith("min_tokens"):  # the model says "Yes." and ends, with EOS as soon as it may
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Reply with one word: yes or no?"}])
         return prompt, SamplingParams(max_tokens=60, min_tokens=int(case.split("-")[1]))
@@ -223,14 +227,15 @@ def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
 
 
 @pytest.mark.parametrize("case", [pytest.param("logit_bias", marks=pytest.mark.slow), "min_tokens-12",
-                                  "min_tokens-30", pytest.param("min_p", marks=pytest.mark.slow)])
+                                  "min_tokens-30", pytest.param("min_p", marks=pytest.mark.slow),
+                                  "allowed_token_ids"])
 def test_min_p_min_tokens_and_logit_bias_decode_as_the_single_process_engine(smollm2_llm, store, case):
     """Verification processes each draft row for its own output position (min_tokens bans EOS
     only on the rows before it), and the prefill's first token too; the drafts come from the
     model itself, unprocessed, so they propose what the processing rules out."""
     prompt, params = _processed_case(smollm2_llm, case)
     (expected,) = smollm2_llm.generate([prompt], params)
-    unprocessed = dataclasses.replace(params, logit_bias={}, min_tokens=0, min_p=0.0)
+    unprocessed = dataclasses.replace(params, logit_bias={}, min_tokens=0, min_p=0.0, allowed_token_ids=None)
     assert expected.token_ids != smollm2_llm.generate([prompt], unprocessed)[0].token_ids
     if case.startswith("min_tokens"):
         assert expected.finish_reason == "stop" and len(expected.token_ids) > params.min_tokens

@@ -172,6 +172,20 @@ def test_logit_bias_forces_or_bans_tokens_and_leaves_the_logprobs_raw(smollm2_ll
     assert first.token_id == forced_id and first.top[0][0] == plain[0] and first.logprob < first.top[0][1]
 
 
+def test_allowed_token_ids_decode_as_a_bias_that_lifts_them_over_every_other(smollm2_llm):
+    """Greedy decoding over the allowed tokens alone picks, at each step, what +100 on each of them
+    picks (a shift that leaves their order and puts them above the rest: raw logits span less
+    than 100): the same tokens by another path."""
+    prompt = smollm2_llm.encode("Is the sky blue? Answer yes or no:")
+    allowed = sorted({smollm2_llm.encode(word)[0] for word in (" yes", " no", " maybe", ".", " sky")})
+    plain = smollm2_llm.generate([prompt], SamplingParams(max_tokens=10))[0].token_ids
+    restricted, lifted = smollm2_llm.generate([prompt] * 2, [
+        SamplingParams(max_tokens=10, allowed_token_ids=allowed),
+        SamplingParams(max_tokens=10, logit_bias={t: 100 for t in allowed})])
+    assert set(restricted.token_ids) <= set(allowed) and not set(plain) <= set(allowed)
+    assert restricted.token_ids == lifted.token_ids
+
+
 def test_min_tokens_holds_off_eos_and_stop_tokens(smollm2_llm):
     """The model answers "Yes." and ends; with min_tokens it goes on, and ends with EOS as soon
     as it may."""

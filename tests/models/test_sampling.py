@@ -212,6 +212,19 @@ def test_min_tokens_bans_eos_and_the_stop_tokens_row_by_row():
     assert torch.equal(process_logits(logits, params, [7], [3, 4, 1, 2], eos_token_ids={0, 2}), logits)
 
 
+def test_allowed_token_ids_leave_only_those_logits():
+    from oasiskv.models.sampling import process_logits
+
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0], [2.0, 0.0, 1.0, 0.5]])
+    params = SamplingParams(allowed_token_ids=[3, 2, 3], repetition_penalty=1.5)
+    assert params.allowed_token_ids == [2, 3] and params.processed
+    got = process_logits(logits, params, [3], [], drafts=[1])
+    assert torch.isinf(got[:, :2]).all() and (got[:, :2] < 0).all()
+    assert torch.allclose(got[:, 2:], torch.tensor([[3.0, 4.0 / 1.5], [1.0, 0.5 / 1.5]]))  # penalized as before
+    assert sample(got, [params] * 2, [None, None]) == [2, 2]
+    assert sample(logits, [params] * 2, [None, None]) == [1, 0]  # unrestricted
+
+
 def test_min_tokens_and_logit_bias_come_before_the_penalties_as_in_vllm():
     """The repetition penalty divides the biased logit: (2 + 1) / 1.5, not 2 / 1.5 + 1."""
     from oasiskv.models.sampling import process_logits
@@ -244,6 +257,10 @@ def test_min_tokens_and_logit_bias_come_before_the_penalties_as_in_vllm():
         ({"logit_bias": {"5": 1, 5: 2}}, "logit_bias names token id 5 twice"),
         ({"logit_bias": {i: 1 for i in range(301)}}, "logit_bias may bias at most 300 tokens, got 301"),
         ({"logit_bias": [5]}, "logit_bias must be a map"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list of token ids, got \\[\\]"),
+        ({"allowed_token_ids": [1, True]}, "allowed_token_ids must be a non-empty list of token ids"),
+        ({"allowed_token_ids": [1.0]}, "allowed_token_ids must be a non-empty list of token ids"),
+        ({"allowed_token_ids": 5}, "allowed_token_ids must be a non-empty list of token ids, got 5"),
     ],
 )
 def test_bad_min_p_min_tokens_and_logit_bias_name_the_problem(kwargs, message):
@@ -260,10 +277,26 @@ def test_logit_bias_ids_outside_the_vocabulary_are_refused_by_id():
             require_known_tokens(SamplingParams(logit_bias={5: 1, bad: 1}), 100)
 
 
+def test_allowed_token_ids_outside_the_vocabulary_or_all_banned_are_refused():
+    from oasiskv.models.sampling import require_known_tokens
+
+    require_known_tokens(SamplingParams(allowed_token_ids=[0, 99]), 100)
+    for bad in (100, -1):
+        with pytest.raises(ValueError, match=rf"allowed_token_ids must be in \[0, 100\), got \[{bad}\]"):
+            require_known_tokens(SamplingParams(allowed_token_ids=[5, bad]), 100)
+    # min_tokens bans EOS and the stop tokens early: with only those allowed, nothing is left.
+    for params in (SamplingParams(allowed_token_ids=[2, 5], stop_token_ids=[5], min_tokens=1),
+                   SamplingParams(allowed_token_ids=[2], min_tokens=3)):
+        with pytest.raises(ValueError, match="allowed_token_ids are all stop tokens"):
+            require_known_tokens(params, 100, eos_token_ids=[2])
+    require_known_tokens(SamplingParams(allowed_token_ids=[2], min_tokens=3, ignore_eos=True), 100, eos_token_ids=[2])
+    require_known_tokens(SamplingParams(allowed_token_ids=[2, 7], min_tokens=3), 100, eos_token_ids=[2])
+
+
 def test_the_new_fields_survive_the_trip_to_the_workers():
     """The API hands SamplingParams to the workers as dataclasses.asdict."""
     import dataclasses
 
-    params = SamplingParams(min_p=0.2, min_tokens=3, logit_bias={"7": -5})
+    params = SamplingParams(min_p=0.2, min_tokens=3, logit_bias={"7": -5}, allowed_token_ids=[7, 9])
     assert SamplingParams(**dataclasses.asdict(params)) == params
     assert not SamplingParams().processed and params.processed and SamplingParams(min_tokens=1).processed

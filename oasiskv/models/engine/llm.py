@@ -134,7 +134,7 @@ class LLM:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str = "") -> str:
         params = params or SamplingParams()
         ids = self.encode(prompt)
-        require_known_tokens(params, self.model.config.vocab_size)
+        require_known_tokens(params, self.model.config.vocab_size, self.eos_token_ids)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestTooLarge(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
