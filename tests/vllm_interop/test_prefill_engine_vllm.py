@@ -85,13 +85,14 @@ def test_penalties_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
         assert out.choices[0].text == expected
 
 
-def test_min_p_min_tokens_and_logit_bias_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
+def test_min_p_min_tokens_logit_bias_and_allowed_tokens_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
     """vLLM samples the first token with them (min_tokens as far as its one token goes), OasisKV's
     decode the rest."""
     messages = [{"role": "user", "content": "Reply with one word: yes or no?"}]
     ids = smollm2_llm.tokenizer.apply_chat_template(messages)
     forced = smollm2_llm.encode(" banana")[0]
     eos = smollm2_llm.tokenizer.eos_token_id
+    allowed = sorted({forced, smollm2_llm.encode(" maybe")[0], smollm2_llm.encode(" No")[0]})
     for params, kwargs, extra in (
         (SamplingParams(max_tokens=8, logit_bias={forced: 100}), {"logit_bias": {str(forced): 100}}, {}),
         (SamplingParams(max_tokens=40, min_tokens=12), {}, {"min_tokens": 12}),
@@ -99,6 +100,8 @@ def test_min_p_min_tokens_and_logit_bias_through_a_vllm_prefill_match_the_engine
         (SamplingParams(max_tokens=8, min_tokens=1, logit_bias={eos: 100}), {"logit_bias": {str(eos): 100}},
          {"min_tokens": 1}),
         (SamplingParams(max_tokens=16, temperature=1.0, min_p=1.0, seed=3), {"seed": 3}, {"min_p": 1.0}),
+        # The first token too is one of them: vLLM is given the same list.
+        (SamplingParams(max_tokens=6, allowed_token_ids=allowed), {}, {"allowed_token_ids": allowed}),
     ):
         expected = smollm2_llm.generate([ids], params)[0]
         out = client.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=params.max_tokens,
