@@ -160,15 +160,12 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
         _check(body, config.model_name)
         # Several prompts are served as vLLM serves them: n choices for each, prompt after prompt.
         prompts = body.prompts()
-        vocab = service.tokenizer.vocab_size
         token_ids = []
         for one in prompts:
             if isinstance(one, str):
                 # Off the event loop: a long prompt takes seconds, and every stream and probe waited.
                 token_ids.append(await asyncio.to_thread(service.tokenizer.encode, one))
             else:
-                if any(not 0 <= t < vocab for t in one):
-                    raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt")
                 token_ids.append(list(one))
         return await _serve(service, request, body, token_ids, "text_completion")
 
@@ -295,7 +292,11 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
 async def _serve(service: ClusterService, request: Request, body, prompts: list[list[int]], kind: str):
     """Serve `body.n` choices for each of `prompts` (token ids), as one response or one stream."""
     config = service.config
+    # Token ids are checked as truncated: what was cut off is not served (vLLM checks them so too).
     prompts = [_truncated(ids, body.truncate_prompt_tokens, service.max_model_len) for ids in prompts]
+    vocab = service.tokenizer.vocab_size
+    if any(not 0 <= t < vocab for ids in prompts for t in ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt")
     prompt_params = [_sampling(body, len(ids), service.max_model_len) for ids in prompts]
     params = prompt_params[0]  # the same but for max_tokens, cut to each prompt's room
     if config.prefill_engine == "vllm":

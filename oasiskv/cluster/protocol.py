@@ -132,6 +132,13 @@ class _SamplingFields(_Lenient):
             _require_integers(value, "allowed_token_ids")
         return value
 
+    @field_validator("truncate_prompt_tokens", mode="before")
+    @classmethod
+    def _truncation_is_an_integer(cls, value):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):  # true is not 1 token
+            raise ValueError(f"truncate_prompt_tokens must be an integer, got {value!r}")
+        return value
+
     @property
     def stop_list(self) -> list[str]:
         if self.stop is None:

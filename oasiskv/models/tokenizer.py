@@ -67,13 +67,20 @@ class ChatTokenizer:
         """Token ids by default, like transformers: encoding the returned text again with
         `encode()` would add a second BOS for Gemma, whose template writes `<bos>` itself.
         `continue_final_message` ends the prompt inside the last message (a reply the model goes on
-        with), where transformers ends it: after the last place the message's text appears."""
+        with), where transformers ends it: at a marker written after the message's text."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if continue_final_message:
+            final = messages[-1]
+            messages = [*messages[:-1], {**final, "content": (final.get("content") or "") + _FINAL_MARK}]
+        rendered_messages = developer_as_system(messages, self.chat_template)
+        if continue_final_message and _FINAL_MARK.strip() not in (rendered_messages[-1].get("content") or ""):
+            raise ValueError("continue_final_message cannot continue a developer message: this template has no "
+                             "developer role, and it is merged into the system prompt at the start")
         text = self._template.render(
-            messages=developer_as_system(messages, self.chat_template),
+            messages=rendered_messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
@@ -81,7 +88,7 @@ class ChatTokenizer:
             **template_vars,
         )
         if continue_final_message:
-            text = _up_to_final_message(text, messages[-1].get("content") or "")
+            text = _up_to_final_message(text)
         # The template writes any BOS itself; encoding must not add a second one.
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
@@ -97,14 +104,19 @@ class ChatTokenizer:
         return env.from_string(self.chat_template)
 
 
-def _up_to_final_message(rendered: str, final: str) -> str:
-    """The rendered chat cut after the final message's text, so the turn is left open. Templates
-    that strip a message before writing it (Llama 3's) are found by the stripped text."""
-    for text in (final, final.strip()):
-        if text and text in rendered:
-            return rendered[: rendered.rindex(text) + len(text)]
-    raise ValueError("continue_final_message needs the final message's text in the rendered chat, and it is not "
-                     "there (an empty message, or a template that rewrites it)")
+# Written after the final message's text when its turn is left open; the space at its end tells
+# whether the template trims messages (Llama 3's does), and then the text before it is trimmed too.
+_FINAL_MARK = "<|oasiskv-final-message|> "
+
+
+def _up_to_final_message(rendered: str) -> str:
+    """The rendered chat cut where the final message's text ends, so the turn is left open (its
+    text may also be a piece of the template's own closing tag, so the text itself is no guide)."""
+    mark = _FINAL_MARK.strip()
+    if mark not in rendered:
+        raise ValueError("continue_final_message: the chat template did not write the final message's text as given")
+    at = rendered.rindex(mark)
+    return rendered[:at] if rendered.startswith(_FINAL_MARK, at) else rendered[:at].rstrip()
 
 
 def require_unicode(text: str) -> None:

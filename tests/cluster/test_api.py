@@ -104,6 +104,10 @@ def test_truncate_prompt_tokens_serves_the_prompts_end(client, smollm2_llm):
     out = client.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=12, temperature=0,
                                     extra_body={"truncate_prompt_tokens": 300})
     assert out.usage.prompt_tokens == 300 and out.choices[0].text == _expected(smollm2_llm, ids[-300:], 12)
+    # What is cut off is not served, so not checked (as in vLLM): an id past the vocabulary there.
+    cut = client.completions.create(model=DEFAULT_MODEL, prompt=[10**6, *ids[:50]], max_tokens=4, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 50})
+    assert cut.usage.prompt_tokens == 50 and cut.choices[0].text == _expected(smollm2_llm, ids[:50], 4)
     messages = [{"role": "user", "content": stdlib_source("argparse.py")[:4000]}]
     chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=4, temperature=0,
                                           extra_body={"truncate_prompt_tokens": 200})
@@ -388,6 +392,8 @@ def _post(server, path: str, body: dict) -> httpx.Response:
         ({"model": DEFAULT_MODEL, "prompt": [1] * 9000, "max_tokens": 4}, 400, "context"),
         ({"model": DEFAULT_MODEL, "prompt": [True, 2], "max_tokens": 4}, 400,
          "prompt token ids must be JSON integers, got True"),
+        ({"model": DEFAULT_MODEL, "prompt": [[5, 6], [7, 49152]], "max_tokens": 4}, 400,
+         "prompt token ids must be in [0, 49152)"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "oasiskv_mode": "fast"}, 400, "oasiskv_mode"),
         ({"model": DEFAULT_MODEL}, 400, "prompt"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
@@ -415,6 +421,8 @@ def _post(server, path: str, body: dict) -> httpx.Response:
         ({"model": DEFAULT_MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0, 2]"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "truncate_prompt_tokens": True}, 400,
+         "truncate_prompt_tokens must be an integer, got True"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "truncate_prompt_tokens": 0}, 400,
          "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "truncate_prompt_tokens": 9000}, 400,

@@ -71,6 +71,9 @@ def test_continue_final_message_leaves_the_final_turn_open(tokenizer):
     asked = _client(tokenizer).post("/tokenize", json=body).json()["tokens"]
     closed = tokenizer.apply_chat_template(chat, add_generation_prompt=False)
     assert tokenizer.decode(asked).endswith("<|im_start|>assistant\nKeys") and closed[: len(asked)] == asked
+    # An empty final message opens the turn: the prompt the generation prompt would have given.
+    body["messages"] = CHAT + [{"role": "assistant", "content": ""}]
+    assert _client(tokenizer).post("/tokenize", json=body).json()["tokens"] == tokenizer.apply_chat_template(CHAT)
     # Chat fields in a prompt's request have no template to go to: not refused.
     assert _client(tokenizer).post("/tokenize", json={"prompt": "a", "continue_final_message": True}).status_code == 200
 
@@ -113,8 +116,8 @@ def test_a_prompt_over_max_model_len_is_counted_not_refused(tokenizer):
     ("/tokenize", {"model": "gpt-4", "prompt": "a"}, 404, "model 'gpt-4' does not exist"),
     ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400,
      "continue_final_message needs add_generation_prompt: false"),
-    ("/tokenize", {"messages": CHAT + [{"role": "assistant", "content": ""}], "continue_final_message": True,
-                   "add_generation_prompt": False}, 400, "continue_final_message needs the final message's text"),
+    ("/tokenize", {"messages": CHAT + [{"role": "developer", "content": "Be brief."}], "continue_final_message": True,
+                   "add_generation_prompt": False}, 400, "continue_final_message cannot continue a developer message"),
     ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, 400, "chat_template is not supported"),
     ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"self": 1}}, 400, "may not set ['self']"),
     ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, 400, "may not set ['messages']"),

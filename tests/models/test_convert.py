@@ -150,10 +150,12 @@ def check_chat_template(model_dir, reference_tokenizer) -> str:
         want = reference_tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
         assert rendered == want
     if reference_tokenizer.chat_template:  # a reply left open in its final message, as transformers leaves it
-        left_open = [*CHAT[:2], {"role": "assistant", "content": "def rev(xs):\n    return  "}]
-        assert ours.apply_chat_template(left_open, add_generation_prompt=False, continue_final_message=True,
-                                        tokenize=False) == reference_tokenizer.apply_chat_template(
-            left_open, continue_final_message=True, tokenize=False)
+        # ("m" is also a piece of ChatML's closing <|im_end|>; "" opens an empty turn)
+        for reply in ("def rev(xs):\n    return  ", "m", ""):
+            left_open = [*CHAT[:2], {"role": "assistant", "content": reply}]
+            assert ours.apply_chat_template(left_open, add_generation_prompt=False, continue_final_message=True,
+                                            tokenize=False) == reference_tokenizer.apply_chat_template(
+                left_open, continue_final_message=True, tokenize=False)
     ids = ours.apply_chat_template(CHAT)
     assert ids == ours.encode(rendered, add_special_tokens=False)
     assert ids[:2] != [ours.bos_token_id] * 2  # the template's BOS is not doubled by encoding
