@@ -313,10 +313,11 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
         require_known_bias_tokens(params, service.tokenizer.vocab_size)
     except ValueError as exc:
         raise ApiError(400, str(exc), "invalid_request_error", "logit_bias") from exc
-    try:
-        require_known_allowed_tokens(params, service.tokenizer.vocab_size, service.eos_token_ids)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), "invalid_request_error", "allowed_token_ids") from exc
+    if params.allowed_token_ids is not None:
+        try:
+            require_known_allowed_tokens(params, service.tokenizer.vocab_size, service.eos_token_ids)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "invalid_request_error", "allowed_token_ids") from exc
     block = service.config.decode.block_size
     if body.oasiskv_budget_tokens is not None and body.oasiskv_budget_tokens % block:
         raise ApiError(400, f"oasiskv_budget_tokens must be a multiple of the block size ({block}), got "

@@ -272,6 +272,7 @@ def test_a_request_cancelled_before_its_choices_began_ends_them():
 
         task = asyncio.ensure_future(app(scope, receive, send))
         while len(log) < 3:  # every choice has begun; its first token is 10 ms away
+            assert not task.done(), "the request ended before its choices began"  # not a spin forever
             await asyncio.sleep(0)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
