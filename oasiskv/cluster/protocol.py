@@ -31,6 +31,22 @@ def _encodable(value):
     return value
 
 
+def _require_integers(ids, what: str) -> None:
+    for token in ids:
+        if not isinstance(token, int) or isinstance(token, bool):
+            raise ValueError(f"{what} must be JSON integers, got {token!r}")
+
+
+def _integer_ids(field: str):
+    """A field's validator: JSON's true, 1.0 or "1" in a list of token ids is a client's bug, not
+    token 1 (pydantic would read it so)."""
+    def check(value):
+        if isinstance(value, list):
+            _require_integers(value, field)
+        return value
+    return field_validator(field, mode="before")(check)
+
+
 _UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty",
                             "bad_words", "prompt_logprobs",
                             "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
@@ -125,12 +141,7 @@ class _SamplingFields(_Lenient):
 
     _stop_text = field_validator("stop")(_encodable)
 
-    @field_validator("allowed_token_ids", mode="before")
-    @classmethod
-    def _allowed_are_integers(cls, value):
-        if isinstance(value, list):
-            _require_integers(value, "allowed_token_ids")
-        return value
+    _allowed_ids = _integer_ids("allowed_token_ids")
 
     @field_validator("truncate_prompt_tokens", mode="before")
     @classmethod
@@ -153,12 +164,6 @@ class _SamplingFields(_Lenient):
     def continuous_usage(self) -> bool:
         """Usage in every chunk, as vLLM's stream_options.continuous_usage_stats (with include_usage)."""
         return self.include_usage and bool((self.stream_options or {}).get("continuous_usage_stats"))
-
-
-def _require_integers(ids, what: str) -> None:
-    for token in ids:
-        if not isinstance(token, int) or isinstance(token, bool):
-            raise ValueError(f"{what} must be JSON integers, got {token!r}")
 
 
 def _token_ids_are_integers(value):
@@ -336,12 +341,7 @@ class TokenizeRequest(_Lenient, _ChatTemplate):
 class DetokenizeRequest(_Lenient):
     tokens: list[int]
 
-    @field_validator("tokens", mode="before")
-    @classmethod
-    def _integers(cls, value):
-        if isinstance(value, list):
-            _require_integers(value, "tokens")
-        return value
+    _token_ids = _integer_ids("tokens")
 
 
 def new_id(prefix: str) -> str:
