@@ -288,15 +288,12 @@ def shutdown(handles: ClusterHandles | None) -> None:
 
     if handles is not None:
         # Decode workers first: they free their requests in the stores before the stores stop.
-        for decode in handles.decode:
+        for slot, timeout_s in [(decode, 30) for decode in handles.decode] + [(store, 10) for store in handles.stores]:
             try:
-                ray.get(decode.handle.shutdown.remote(), timeout=30)
+                ray.get(slot.handle.shutdown.remote(), timeout=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                log.warning("%s did not shut down within %d s; going on without it", slot.name, timeout_s)
             except Exception:  # a dead worker has nothing left to free
-                pass
-        for store in handles.stores:
-            try:
-                ray.get(store.handle.shutdown.remote(), timeout=10)
-            except Exception:
                 pass
     if ray.is_initialized():
         ray.shutdown()

@@ -20,6 +20,9 @@ import pytest
 from ..conftest import DEFAULT_MODEL, default_sigint
 
 GRACE_S = 3
+# After the requests end, the cluster's shutdown may wait 30 s for each decode worker and 10 s
+# for each store that does not answer (`launcher.shutdown`): ample on a slow, shared machine.
+EXIT_S = 150
 
 
 def _free_port() -> int:
@@ -83,6 +86,33 @@ class _Requests:
         assert "the server is shutting down" in self.whole[0].json()["error"]["message"]
 
 
+class _Log:
+    """The server's stderr, read as it is written: a pipe read only at exit can fill (64 KiB)
+    and block the server at its next log line; and a test can wait for a line."""
+
+    def __init__(self, stream):
+        self._lines: list[str] = []
+        self._changed = threading.Condition()
+        self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            with self._changed:
+                self._lines.append(line)
+                self._changed.notify_all()
+
+    def wait_for(self, text: str, timeout_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: any(text in line for line in self._lines), timeout_s)
+
+    def text(self, to_the_end: bool = False) -> str:
+        if to_the_end:  # the server has exited: the pipe closes
+            self._reader.join(10)
+        with self._changed:
+            return "".join(self._lines)
+
+
 @contextlib.contextmanager
 def _serve(grace_s: float, **popen):
     """`oasiskv serve` in a process of its own, healthy; killed if the test left it running."""
@@ -92,14 +122,26 @@ def _serve(grace_s: float, **popen):
          "--shutdown-grace-s", str(grace_s)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **popen,
     )
+    log = _Log(proc.stderr)
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, proc)
-        yield proc, url
+        yield proc, url, log
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _wait_exit(proc: subprocess.Popen, log: _Log, timeout_s: float, what: str) -> str:
+    """The server's whole stderr once it has exited; on a timeout, what it had logged by then."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"serve still running {timeout_s:.0f} s after {what}; its log:\n"
+                             + log.text(to_the_end=True)[-4000:])
+    return log.text(to_the_end=True)
 
 
 def _assert_shut_down_cleanly(stderr: str) -> None:
@@ -110,16 +152,12 @@ def _assert_shut_down_cleanly(stderr: str) -> None:
 
 
 def test_sigterm_ends_requests_in_flight_with_a_503_after_the_grace_period_and_exits():
-    with _serve(GRACE_S) as (proc, url):
+    with _serve(GRACE_S) as (proc, url, log):
         requests = _Requests(url)
         signalled = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=GRACE_S + 60)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"serve still running {GRACE_S + 60} s after SIGTERM with a {GRACE_S} s grace")
+        stderr = _wait_exit(proc, log, GRACE_S + EXIT_S, f"SIGTERM with a {GRACE_S} s grace")
         exited_after = time.monotonic() - signalled
-        stderr = proc.stderr.read()
         # Uvicorn raises the SIGTERM again once it has shut down, and Ray's driver turns it into exit(15).
         assert proc.returncode in (0, 15, -signal.SIGTERM), stderr[-3000:]
         requests.assert_ended_as_shutting_down()
@@ -132,17 +170,17 @@ def test_a_second_ctrl_c_ends_the_requests_at_once_and_shuts_the_cluster_down():
     """uvicorn's force quit on a second Ctrl-C skipped the lifespan: asyncio's exit logged
     tracebacks, and the aborts of the requests it cancelled started a new local Ray."""
     grace_s = 300
-    with _serve(grace_s, preexec_fn=default_sigint) as (proc, url):
+    with _serve(grace_s, preexec_fn=default_sigint) as (proc, url, log):
         requests = _Requests(url)
         proc.send_signal(signal.SIGINT)
+        # Python runs a signal's handler once for any number of that signal that arrived before
+        # it ran: a second Ctrl-C sent before the server took the first would be lost in it.
+        assert log.wait_for("Shutting down", 60), log.text()[-3000:]
         time.sleep(1.0)  # the first Ctrl-C would let the requests run on for the whole grace
         assert proc.poll() is None and not requests.ended.is_set()
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"serve still running 60 s after a second Ctrl-C (grace {grace_s} s)")
-        stderr = proc.stderr.read()
+        assert requests.ended.wait(30), f"a second Ctrl-C left the stream running; the log:\n{log.text()[-3000:]}"
+        stderr = _wait_exit(proc, log, EXIT_S, f"a second Ctrl-C (grace {grace_s} s)")
         assert proc.returncode == 130, stderr[-3000:]
         requests.assert_ended_as_shutting_down()
         assert "ending the requests in flight now" in stderr
