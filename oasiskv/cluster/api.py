@@ -27,6 +27,7 @@ from ..models.sampling import (
     require_known_bias_tokens,
     require_known_stop_tokens,
     stream_seed,
+    tokenize_bad_words,
 )
 from ..prefill_node.vllm_worker import vllm_prefill_refusal
 from .logprobs import LogprobFormatter
@@ -284,7 +285,7 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
                               logprobs=body.logprobs_requested(), presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                               min_p=body.min_p, min_tokens=body.min_tokens, logit_bias=body.logit_bias,
-                              allowed_token_ids=body.allowed_token_ids)
+                              allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words)
     except (ValueError, ValidationError) as exc:
         raise ApiError(400, str(exc), "invalid_request_error") from exc
 
@@ -298,6 +299,14 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
     if any(not 0 <= t < vocab for ids in prompts for t in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt")
     prompt_params = [_sampling(body, len(ids), service.max_model_len) for ids in prompts]
+    if prompt_params[0].bad_words:
+        tokenizer = service.tokenizer
+        try:  # off the event loop, as prompts are: a word may be megabytes long
+            sequences = await asyncio.to_thread(tokenize_bad_words, prompt_params[0].bad_words,
+                                                lambda text: tokenizer.encode(text, False), vocab)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "invalid_request_error", "bad_words") from exc
+        prompt_params = [dataclasses.replace(one, bad_words_token_ids=sequences) for one in prompt_params]
     params = prompt_params[0]  # the same but for max_tokens, cut to each prompt's room
     if config.prefill_engine == "vllm":
         for ids, one in zip(prompts, prompt_params):

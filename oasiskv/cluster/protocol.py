@@ -47,8 +47,7 @@ def _integer_ids(field: str):
     return field_validator(field, mode="before")(check)
 
 
-_UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty",
-                            "bad_words", "prompt_logprobs",
+_UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty", "prompt_logprobs",
                             "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -97,11 +96,11 @@ class _SamplingFields(_Lenient):
     # document's end, where the question is. Checked against max_model_len by the API.
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: ids and range checked by SamplingParams and the API
+    bad_words: list[str] | None = None  # vLLM's: words the output may not contain (tokenized by the API)
     # vLLM's extensions that are not implemented: refused unless left at these values, since a
     # request that sets one expects it to take effect (they were ignored, and the output differed).
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    bad_words: list[str] | None = None
     prompt_logprobs: int | None = None
     structured_outputs: dict | None = None  # vLLM 0.32's name for what guided_* did
     guided_json: str | dict | None = None

@@ -1,5 +1,6 @@
 """Sampling parameters and the sampler (greedy, temperature, min-p, top-k, top-p, per-request
-seeds), and the logits processing before it (min_tokens, logit_bias, penalties)."""
+seeds), and the logits processing before it (allowed_token_ids, bad_words, min_tokens,
+logit_bias, penalties)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,11 @@ MAX_LOGPROBS = 20
 # it) on at most 300 tokens.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 300
+
+# vLLM's limits on bad_words once tokenized (VLLM_MAX_NUM_BAD_WORDS and
+# VLLM_MAX_BAD_WORDS_TOTAL_TOKENS): each step checks every sequence against the output.
+MAX_BAD_WORD_SEQUENCES = 128
+MAX_BAD_WORD_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,12 @@ class SamplingParams:
     # vLLM's allowed_token_ids: only these tokens may be generated (None: any), e.g. a choice
     # among labels.
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: words the output may not contain. Each step bans the last token of any
+    # of their token sequences whose other tokens end the output (a one-token word: always).
+    # The sequences come from the model's tokenizer (`tokenize_bad_words`); the API and `LLM`
+    # fill them in, and an engine given words without them refuses the request.
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self):
         if self.stop is None:  # vLLM's default
@@ -119,6 +131,22 @@ class SamplingParams:
                     or not all(_is_int(t) for t in self.allowed_token_ids):
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {self.allowed_token_ids!r}")
             self.allowed_token_ids = sorted({int(t) for t in self.allowed_token_ids})
+        if self.bad_words is None:
+            self.bad_words = []
+        if not isinstance(self.bad_words, (list, tuple)) or not all(isinstance(w, str) for w in self.bad_words):
+            raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+        if any(not w.strip() for w in self.bad_words):
+            raise ValueError("bad_words entries must contain text other than spaces")
+        self.bad_words = list(dict.fromkeys(self.bad_words))
+        if self.bad_words_token_ids is None:
+            self.bad_words_token_ids = []
+        if not isinstance(self.bad_words_token_ids, (list, tuple)) or not all(
+                isinstance(ids, (list, tuple)) and ids and all(_is_int(t) for t in ids) for ids in self.bad_words_token_ids):
+            raise ValueError(f"bad_words_token_ids must be a list of non-empty lists of token ids, got "
+                             f"{self.bad_words_token_ids!r}")
+        if self.bad_words_token_ids and not self.bad_words:
+            raise ValueError("bad_words_token_ids are made from bad_words (tokenize_bad_words): give the words too")
+        self.bad_words_token_ids = [[int(t) for t in ids] for ids in self.bad_words_token_ids]
 
     @property
     def greedy(self) -> bool:
@@ -131,7 +159,35 @@ class SamplingParams:
     @property
     def processed(self) -> bool:
         """Whether the logits are changed before sampling (`process_logits`)."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
+        return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
+                or bool(self.bad_words))
+
+
+def tokenize_bad_words(bad_words: list[str], encode, vocab_size: int) -> list[list[int]]:
+    """vLLM's token sequences for bad_words. `encode(text)` gives a text's token ids without
+    special tokens. Each word (its leading spaces dropped) is banned as it would begin the
+    output, and also after a space, where the tokenizer makes that a different first token of
+    the same length (a word in mid-text: 'Ġhello' rather than 'hello'). Raises ValueError for a
+    word with no tokens, ids outside the vocabulary, or more than vLLM's limits."""
+    sequences: list[list[int]] = []
+    for word in dict.fromkeys(bad_words):
+        alone = list(encode(word.lstrip()))
+        if not alone:
+            raise ValueError(f"bad_words entry {word!r} has no tokens")
+        sequences.append(alone)
+        spaced = list(encode(" " + word.lstrip()))
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    if len(sequences) > MAX_BAD_WORD_SEQUENCES:
+        raise ValueError(f"bad_words make {len(sequences)} token sequences, more than the {MAX_BAD_WORD_SEQUENCES} "
+                         "allowed")
+    total = sum(len(ids) for ids in sequences)
+    if total > MAX_BAD_WORD_TOKENS:
+        raise ValueError(f"bad_words make {total} tokens, more than the {MAX_BAD_WORD_TOKENS} allowed")
+    bad = [t for ids in sequences for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"bad_words token ids must be in [0, {vocab_size}), got {bad[:5]}")
+    return sequences
 
 
 def require_known_stop_tokens(params: SamplingParams, vocab_size: int) -> None:
@@ -165,12 +221,24 @@ def require_known_allowed_tokens(params: SamplingParams, vocab_size: int, eos_to
                          "token could be generated")
 
 
+def require_tokenized_bad_words(params: SamplingParams, vocab_size: int) -> None:
+    """bad_words come with their token sequences, of ids the model has: words whose sequences
+    were never made would ban nothing."""
+    if params.bad_words and not params.bad_words_token_ids:
+        raise ValueError("bad_words were given without their token sequences: fill bad_words_token_ids with "
+                         "tokenize_bad_words(bad_words, encode, vocab_size)")
+    bad = [t for ids in params.bad_words_token_ids for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"bad_words token ids must be in [0, {vocab_size}), got {bad[:5]}")
+
+
 def require_known_tokens(params: SamplingParams, vocab_size: int, eos_token_ids=()) -> None:
-    """Every token id the request names (stop_token_ids, logit_bias, allowed_token_ids) is one the
-    model has."""
+    """Every token id the request names (stop_token_ids, logit_bias, allowed_token_ids, the
+    bad_words' sequences) is one the model has."""
     require_known_stop_tokens(params, vocab_size)
     require_known_bias_tokens(params, vocab_size)
     require_known_allowed_tokens(params, vocab_size, eos_token_ids)
+    require_tokenized_bad_words(params, vocab_size)
 
 
 def _is_int(value) -> bool:
@@ -216,13 +284,17 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
                    drafts: list[int] = (), eos_token_ids=()) -> torch.Tensor:
     """The logits the request samples from, rows [1 + len(drafts), V]: row i is output position
     len(output_ids) + i and follows the output and drafts[:i] (a speculative step verifies several
-    positions at once). In vLLM's order: allowed_token_ids, min_tokens, logit_bias, then the
-    penalties. A new fp32 tensor; the raw logits stay for the logprobs, which are vLLM's raw ones."""
+    positions at once). In vLLM's order: allowed_token_ids, bad_words, min_tokens, logit_bias,
+    then the penalties. A new fp32 tensor; the raw logits stay for the logprobs, which are vLLM's
+    raw ones."""
     logits = logits.float().clone()
     if params.allowed_token_ids is not None:
         allowed = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)] = True
         logits[:, ~allowed] = float("-inf")
+    if params.bad_words:
+        _ban_bad_words(logits, params.bad_words_token_ids, list(output_ids) + list(drafts[: logits.shape[0] - 1]),
+                       len(output_ids))
     _ban_stops_before_min_tokens(logits, params, len(output_ids), eos_token_ids)
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
@@ -230,6 +302,22 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
     if params.penalized:
         logits = apply_penalties(logits, params, prompt_ids, output_ids, drafts)
     return logits
+
+
+def _ban_bad_words(logits: torch.Tensor, sequences: list[list[int]], generated: list[int], base: int) -> None:
+    """Row i follows generated[:base + i] (the output, then the drafts before it): a sequence's
+    last token gets -inf there when the sequence's other tokens end it. In place; only the output
+    counts, as in vLLM, not the prompt."""
+    banned = [[] for _ in range(logits.shape[0])]
+    for i in range(logits.shape[0]):
+        end = base + i
+        for ids in sequences:
+            before = len(ids) - 1
+            if before <= end and generated[end - before : end] == ids[:-1]:
+                banned[i].append(ids[-1])
+    for i, tokens in enumerate(banned):
+        if tokens:
+            logits[i, torch.tensor(tokens, dtype=torch.long, device=logits.device)] = float("-inf")
 
 
 def _ban_stops_before_min_tokens(logits: torch.Tensor, params: SamplingParams, num_output: int, eos_token_ids) -> None:

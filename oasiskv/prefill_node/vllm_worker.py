@@ -116,6 +116,7 @@ def to_vllm_sampling(params: SamplingParams, request_id: str, store_address: str
         repetition_penalty=params.repetition_penalty,
         logit_bias=dict(params.logit_bias) or None,
         allowed_token_ids=params.allowed_token_ids,
+        bad_words=params.bad_words or None,  # tokenized by vLLM as by the API: the same sequences
         extra_args={"kv_transfer_params": {REQUEST_ID_PARAM: request_id, STORE_PARAM: store_address}},
         **_first_token_min_tokens(params),
     )

@@ -96,6 +96,28 @@ def test_allowed_token_ids_restrict_the_output_greedy_or_sampled(client, smollm2
     assert len({choice.text for choice in sampled.choices}) > 1
 
 
+def test_bad_words_keep_words_out_of_the_output_greedy_or_sampled(client, smollm2_llm):
+    """vLLM's bad_words (refused before): greedy output is the engine's under the same words, and
+    sampled choices of a passage the model repeats leave out their tokens too (a ban on tokens, as
+    vLLM's: " foxes" would be another token)."""
+    passage = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
+    prompt, words = passage * 3 + "The quick", ["fox", "lazy dog"]
+    plain = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=40, temperature=0)
+    assert "fox" in plain.choices[0].text and "lazy dog" in plain.choices[0].text
+    greedy = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=40, temperature=0,
+                                       extra_body={"bad_words": words})
+    (expected,) = smollm2_llm.generate([smollm2_llm.encode(prompt)], SamplingParams(max_tokens=40, bad_words=words))
+    assert greedy.choices[0].text == expected.text
+    sampled = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=40, temperature=0.7, seed=5,
+                                        n=3, logprobs=0, extra_body={"bad_words": words})
+    assert len({choice.text for choice in sampled.choices}) > 1
+    for choice in sampled.choices:
+        tokens = choice.logprobs.tokens
+        assert not {"fox", " fox"} & set(tokens), tokens
+        assert all(tokens[i - 1 : i + 1] not in (["lazy", " dog"], [" lazy", " dog"]) for i in range(1, len(tokens)))
+    assert "fox" not in greedy.choices[0].text, greedy.choices[0].text
+
+
 def test_truncate_prompt_tokens_serves_the_prompts_end(client, smollm2_llm):
     """vLLM's truncate_prompt_tokens (refused before): a prompt over the context is served from
     its last k tokens as that end alone is, and billed for k; a chat's rendered template is cut
@@ -435,6 +457,11 @@ def _post(server, path: str, body: dict) -> httpx.Response:
          "allowed_token_ids must be JSON integers, got True"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "allowed_token_ids": [7], "stop_token_ids": [7], "min_tokens": 2,
           "max_tokens": 4}, 400, "allowed_token_ids are all stop tokens"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "bad_words": ["fox", ""]}, 400,
+         "bad_words entries must contain text other than spaces"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "bad_words": "fox"}, 400, "bad_words"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "bad_words": [f"word{i}" for i in range(65)]}, 400,
+         "token sequences, more than the 128 allowed"),
         # -1 keeps max_model_len's worth: no room is left for the output.
         ({"model": DEFAULT_MODEL, "prompt": [1] * 9000, "truncate_prompt_tokens": -1}, 400, "context"),
     ],

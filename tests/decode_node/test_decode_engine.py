@@ -14,7 +14,7 @@ from oasiskv.decode_node.engine import DecodeEngine
 from oasiskv.decode_node.speculative import DrafterMismatch
 from oasiskv.kvstore import KVStore, StoreFull, UnknownRequest, connect, ranking_radius_weight
 from oasiskv.models.engine.scheduler import RequestTooLarge
-from oasiskv.models.sampling import SamplingParams
+from oasiskv.models.sampling import SamplingParams, tokenize_bad_words
 from oasiskv.prefill_node.prefill import Prefiller
 
 from ..conftest import stdlib_source
@@ -219,6 +219,11 @@ def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
     if case == "allowed_token_ids":  # the passage's own tokens but two of its words
         banned = {llm.encode(" fox")[0], llm.encode(" dozen")[0]}
         return repeated, SamplingParams(max_tokens=64, ignore_eos=True, allowed_token_ids=sorted(set(repeated) - banned))
+    if case == "bad_words":  # a word of one token and one of two, each where drafts propose it
+        words = ["fox", "five dozen"]
+        sequences = tokenize_bad_words(words, lambda text: llm.tokenizer.encode(text, add_special_tokens=False),
+                                       llm.model.config.vocab_size)
+        return repeated, SamplingParams(max_tokens=64, ignore_eos=True, bad_words=words, bad_words_token_ids=sequences)
     if case.startswith("min_tokens"):  # the model says "Yes." and ends, with EOS as soon as it may
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Reply with one word: yes or no?"}])
         return prompt, SamplingParams(max_tokens=60, min_tokens=int(case.split("-")[1]))
@@ -228,14 +233,15 @@ def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
 
 @pytest.mark.parametrize("case", [pytest.param("logit_bias", marks=pytest.mark.slow), "min_tokens-12",
                                   "min_tokens-30", pytest.param("min_p", marks=pytest.mark.slow),
-                                  "allowed_token_ids"])
+                                  "allowed_token_ids", "bad_words"])
 def test_min_p_min_tokens_and_logit_bias_decode_as_the_single_process_engine(smollm2_llm, store, case):
     """Verification processes each draft row for its own output position (min_tokens bans EOS
     only on the rows before it), and the prefill's first token too; the drafts come from the
     model itself, unprocessed, so they propose what the processing rules out."""
     prompt, params = _processed_case(smollm2_llm, case)
     (expected,) = smollm2_llm.generate([prompt], params)
-    unprocessed = dataclasses.replace(params, logit_bias={}, min_tokens=0, min_p=0.0, allowed_token_ids=None)
+    unprocessed = dataclasses.replace(params, logit_bias={}, min_tokens=0, min_p=0.0, allowed_token_ids=None,
+                                      bad_words=[], bad_words_token_ids=[])
     assert expected.token_ids != smollm2_llm.generate([prompt], unprocessed)[0].token_ids
     if case.startswith("min_tokens"):
         assert expected.finish_reason == "stop" and len(expected.token_ids) > params.min_tokens

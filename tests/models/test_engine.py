@@ -186,6 +186,27 @@ def test_allowed_token_ids_decode_as_a_bias_that_lifts_them_over_every_other(smo
     assert restricted.token_ids == lifted.token_ids
 
 
+def test_bad_words_keep_words_out_of_the_output(smollm2_llm):
+    """A passage the model repeats. Banning "fox" (one token, with and without its space) gives
+    what a -100 bias on those tokens gives (raw logits span less than 100): the same ban by
+    another path. Banning "lazy dog" (two tokens) changes the output only where " dog" would
+    follow " lazy". The ban is on tokens, as in vLLM's: " lazy dogs" (another token) may follow."""
+    passage = "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.\n"
+    prompt = smollm2_llm.encode(passage * 3 + "The quick")
+    free = dict(max_tokens=40, ignore_eos=True)
+    plain = smollm2_llm.generate([prompt], SamplingParams(**free))[0]
+    assert "fox" in plain.text and "lazy dog" in plain.text
+    fox = [smollm2_llm.tokenizer.encode(word, add_special_tokens=False)[0] for word in ("fox", " fox")]
+    no_fox, biased = smollm2_llm.generate([prompt] * 2, [SamplingParams(**free, bad_words=["fox"]),
+                                                         SamplingParams(**free, logit_bias={t: -100 for t in fox})])
+    assert "fox" not in no_fox.text and no_fox.token_ids == biased.token_ids
+    lazy, dog = (smollm2_llm.tokenizer.encode(word, add_special_tokens=False)[0] for word in (" lazy", " dog"))
+    out = smollm2_llm.generate([prompt], SamplingParams(**free, bad_words=["lazy dog"]))[0]
+    at = next(i for i in range(1, len(plain.token_ids)) if plain.token_ids[i - 1 : i + 1] == [lazy, dog])
+    assert out.token_ids[:at] == plain.token_ids[:at] and out.token_ids[at] != dog
+    assert all(out.token_ids[i - 1 : i + 1] != [lazy, dog] for i in range(1, len(out.token_ids)))
+
+
 def test_min_tokens_holds_off_eos_and_stop_tokens(smollm2_llm):
     """The model answers "Yes." and ends; with min_tokens it goes on, and ends with EOS as soon
     as it may."""

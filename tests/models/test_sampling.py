@@ -297,6 +297,90 @@ def test_the_new_fields_survive_the_trip_to_the_workers():
     """The API hands SamplingParams to the workers as dataclasses.asdict."""
     import dataclasses
 
-    params = SamplingParams(min_p=0.2, min_tokens=3, logit_bias={"7": -5}, allowed_token_ids=[7, 9])
+    params = SamplingParams(min_p=0.2, min_tokens=3, logit_bias={"7": -5}, allowed_token_ids=[7, 9],
+                            bad_words=["w"], bad_words_token_ids=[[3, 4]])
     assert SamplingParams(**dataclasses.asdict(params)) == params
     assert not SamplingParams().processed and params.processed and SamplingParams(min_tokens=1).processed
+
+
+def test_bad_words_ban_a_token_only_where_it_would_end_a_bad_sequence():
+    """Against the definition, on random outputs and drafts: row i bans token t exactly when the
+    tokens generated before it (the output, then drafts[:i]) followed by t end with one of the
+    sequences. The prompt does not count, as in vLLM."""
+    from oasiskv.models.sampling import process_logits
+
+    sequences = [[4], [1, 2], [2, 2, 3], [0, 5], [1, 2, 0]]
+    params = SamplingParams(bad_words=["w"], bad_words_token_ids=sequences)
+    assert params.processed
+    gen = torch.Generator().manual_seed(0)
+    vocab, drafts_per_step = 6, 3
+    banned_somewhere = set()
+    for _ in range(300):
+        output = torch.randint(0, vocab, (int(torch.randint(0, 6, (1,), generator=gen)),), generator=gen).tolist()
+        drafts = torch.randint(0, vocab, (drafts_per_step,), generator=gen).tolist()
+        got = process_logits(torch.zeros(1 + drafts_per_step, vocab), params, [1, 2, 2], output, drafts)
+        for i in range(1 + drafts_per_step):
+            before = output + drafts[:i]
+            for t in range(vocab):
+                ends_bad = any((before + [t])[-len(s):] == s for s in sequences)
+                assert bool(torch.isinf(got[i, t])) == ends_bad, (output, drafts, i, t)
+                if ends_bad:
+                    banned_somewhere.add(t)
+    assert banned_somewhere == {0, 2, 3, 4, 5}  # every sequence's last token was met and banned
+
+
+def test_bad_words_are_tokenized_as_vllm_does():
+    """Each word as it begins the output, and after a space where that is another token of the
+    same length; a stand-in tokenizer (one token per character, a space its own token) shows
+    the rules, and tests/vllm_interop compares a real tokenizer's with vLLM's."""
+    from oasiskv.models.sampling import tokenize_bad_words
+
+    def encode(text: str) -> list[int]:  # "ab" -> [1, 2]; " ab" -> [27, 2]: the space joins the next letter
+        ids = []
+        for i, c in enumerate(text):
+            if c != " ":
+                ids.append(ord(c) - 96 + (26 if i and text[i - 1] == " " else 0))
+        return ids
+
+    assert tokenize_bad_words(["ab", "  c"], encode, 100) == [[1, 2], [27, 2], [3], [29]]
+
+    def merging(text: str) -> list[int]:  # the space makes one token of a whole word: another length
+        return [99] if text.startswith(" ") else [ord(c) - 96 for c in text]
+
+    assert tokenize_bad_words(["ab"], merging, 100) == [[1, 2]]
+    with pytest.raises(ValueError, match="bad_words entry 'x' has no tokens"):
+        tokenize_bad_words(["x"], lambda text: [], 100)
+    with pytest.raises(ValueError, match=r"bad_words make 130 token sequences, more than the 128 allowed"):
+        tokenize_bad_words([chr(97 + i % 26) * (1 + i // 26) for i in range(65)], lambda text: [len(text)], 100)
+    with pytest.raises(ValueError, match=r"bad_words make 1025 tokens, more than the 1024 allowed"):
+        tokenize_bad_words(["a" * 1025], lambda text: [1] * len(text.strip()), 100)
+    with pytest.raises(ValueError, match=r"bad_words token ids must be in \[0, 10\), got \[27\]"):
+        tokenize_bad_words(["ab"], encode, 10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"bad_words": [""]}, "bad_words entries must contain text other than spaces"),
+        ({"bad_words": ["ok", "  "]}, "bad_words entries must contain text other than spaces"),
+        ({"bad_words": "fox"}, "bad_words must be a list of strings, got 'fox'"),
+        ({"bad_words": [5]}, "bad_words must be a list of strings"),
+        ({"bad_words": ["w"], "bad_words_token_ids": [[]]}, "bad_words_token_ids must be a list of non-empty lists"),
+        ({"bad_words": ["w"], "bad_words_token_ids": [[1, True]]}, "bad_words_token_ids must be a list of non-empty"),
+        ({"bad_words_token_ids": [[1]]}, "bad_words_token_ids are made from bad_words"),
+    ],
+)
+def test_bad_bad_words_name_the_problem(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_bad_words_need_their_sequences_of_known_ids_before_an_engine_takes_them():
+    from oasiskv.models.sampling import require_known_tokens
+
+    assert SamplingParams(bad_words=["a", "a"]).bad_words == ["a"]
+    with pytest.raises(ValueError, match="bad_words were given without their token sequences"):
+        require_known_tokens(SamplingParams(bad_words=["fox"]), 100)
+    with pytest.raises(ValueError, match=r"bad_words token ids must be in \[0, 100\), got \[100\]"):
+        require_known_tokens(SamplingParams(bad_words=["fox"], bad_words_token_ids=[[5, 100]]), 100)
+    require_known_tokens(SamplingParams(bad_words=["fox"], bad_words_token_ids=[[5, 99]]), 100)

@@ -85,14 +85,18 @@ def test_penalties_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
         assert out.choices[0].text == expected
 
 
-def test_min_p_min_tokens_logit_bias_and_allowed_tokens_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
-    """vLLM samples the first token with them (min_tokens as far as its one token goes), OasisKV's
-    decode the rest."""
+def test_sampling_options_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
+    """min_p, min_tokens, logit_bias, allowed_token_ids and bad_words: vLLM samples the first
+    token with them (min_tokens as far as its one token goes), OasisKV's decode the rest."""
     messages = [{"role": "user", "content": "Reply with one word: yes or no?"}]
     ids = smollm2_llm.tokenizer.apply_chat_template(messages)
     forced = smollm2_llm.encode(" banana")[0]
     eos = smollm2_llm.tokenizer.eos_token_id
     allowed = sorted({forced, smollm2_llm.encode(" maybe")[0], smollm2_llm.encode(" No")[0]})
+    plain = smollm2_llm.generate([ids], SamplingParams(max_tokens=8))[0]
+    first_word = smollm2_llm.tokenizer.decode(plain.token_ids[:1]).strip()
+    assert first_word and smollm2_llm.generate([ids], SamplingParams(
+        max_tokens=8, bad_words=[first_word]))[0].token_ids[0] != plain.token_ids[0]
     for params, kwargs, extra in (
         (SamplingParams(max_tokens=8, logit_bias={forced: 100}), {"logit_bias": {str(forced): 100}}, {}),
         (SamplingParams(max_tokens=40, min_tokens=12), {}, {"min_tokens": 12}),
@@ -102,6 +106,8 @@ def test_min_p_min_tokens_logit_bias_and_allowed_tokens_through_a_vllm_prefill_m
         (SamplingParams(max_tokens=16, temperature=1.0, min_p=1.0, seed=3), {"seed": 3}, {"min_p": 1.0}),
         # The first token too is one of them: vLLM is given the same list.
         (SamplingParams(max_tokens=6, allowed_token_ids=allowed), {}, {"allowed_token_ids": allowed}),
+        # The model's first word: vLLM tokenizes the words as the API does and bans it too.
+        (SamplingParams(max_tokens=8, bad_words=[first_word]), {}, {"bad_words": [first_word]}),
     ):
         expected = smollm2_llm.generate([ids], params)[0]
         out = client.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=params.max_tokens,
@@ -120,3 +126,20 @@ def test_what_vllm_cannot_prefill_is_a_400_and_the_server_serves_on(client, smol
         client.completions.create(model=DEFAULT_MODEL, prompt=ids[:4096], max_tokens=4)
     short = client.completions.create(model=DEFAULT_MODEL, prompt=ids[:1100], max_tokens=4, temperature=0.8)
     assert short.usage.completion_tokens == 4
+
+
+def test_bad_words_make_the_token_sequences_vllm_makes(smollm2_dir):
+    """OasisKV's decode bans what vLLM's prefill bans: the same sequences from the same tokenizer,
+    for words alone, with spaces, of several tokens, and one whose spaced form has another length."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.tokenizers import get_tokenizer
+
+    from oasiskv.models.sampling import tokenize_bad_words
+    from oasiskv.models.tokenizer import load_tokenizer
+
+    words = ["fox", " fox", "  lazy dog", "vexingly", "Hello", "世界", "def fibonacci(n):", "fox"]
+    theirs = VLLMSamplingParams(bad_words=words)
+    theirs.update_from_tokenizer(get_tokenizer(str(smollm2_dir)))
+    ours = load_tokenizer(smollm2_dir)
+    assert tokenize_bad_words(words, lambda text: ours.encode(text, False), ours.vocab_size) == \
+        theirs._bad_words_token_ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from ..sampling import (
     require_known_tokens,
     sample,
     token_logprobs,
+    tokenize_bad_words,
 )
 from .scheduler import RequestTooLarge, ScheduledBatch, Scheduler
 from .sequence import Sequence
@@ -134,6 +136,10 @@ class LLM:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str = "") -> str:
         params = params or SamplingParams()
         ids = self.encode(prompt)
+        if params.bad_words and not params.bad_words_token_ids:  # a copy: the caller's may serve other prompts
+            params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(
+                params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+                self.model.config.vocab_size))
         require_known_tokens(params, self.model.config.vocab_size, self.eos_token_ids)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestTooLarge(
