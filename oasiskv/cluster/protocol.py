@@ -130,10 +130,6 @@ class _SamplingFields(_Lenient):
             if getattr(self, name) not in (type(self).model_fields[name].default, [], {}):
                 raise UnsupportedFeature(f"{name} is not supported (free text only)" if name == "structured_outputs"
                                          else f"{name} is not supported")
-        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1
-                                                            or self.truncate_prompt_tokens == -1):
-            raise UnsupportedFeature(f"truncate_prompt_tokens must be an integer >= 1 or -1, got "
-                                     f"{self.truncate_prompt_tokens}")
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
             raise UnsupportedFeature(f"response_format {kind!r} is not supported (free text only)")
@@ -144,9 +140,11 @@ class _SamplingFields(_Lenient):
 
     @field_validator("truncate_prompt_tokens", mode="before")
     @classmethod
-    def _truncation_is_an_integer(cls, value):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):  # true is not 1 token
-            raise ValueError(f"truncate_prompt_tokens must be an integer, got {value!r}")
+    def _truncation_is_a_count(cls, value):
+        # JSON's true is not 1 token, nor 2.0 two; 0 would serve an empty prompt.
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or not (value >= 1 or value == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {value!r}")
         return value
 
     @property

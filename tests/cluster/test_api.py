@@ -444,7 +444,7 @@ def _post(server, path: str, body: dict) -> httpx.Response:
         ({"model": DEFAULT_MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0, 2]"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "truncate_prompt_tokens": True}, 400,
-         "truncate_prompt_tokens must be an integer, got True"),
+         "truncate_prompt_tokens must be an integer >= 1 or -1, got True"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "truncate_prompt_tokens": 0}, 400,
          "truncate_prompt_tokens must be an integer >= 1 or -1, got 0"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "truncate_prompt_tokens": 9000}, 400,
