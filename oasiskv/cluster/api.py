@@ -26,11 +26,12 @@ from ..models.sampling import (
     require_known_allowed_tokens,
     require_known_bias_tokens,
     require_known_stop_tokens,
+    require_tokenized_bad_words,
     stream_seed,
     tokenize_bad_words,
 )
 from ..prefill_node.vllm_worker import vllm_prefill_refusal
-from .logprobs import LogprobFormatter
+from .logprobs import LogprobFormatter, echoed_prompt_logprobs, prompt_logprobs_json
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -168,7 +169,8 @@ def create_app(service: ClusterService, lifespan=None) -> FastAPI:
                 token_ids.append(await asyncio.to_thread(service.tokenizer.encode, one))
             else:
                 token_ids.append(list(one))
-        return await _serve(service, request, body, token_ids, "text_completion")
+        return await _serve(service, request, body, token_ids, "text_completion",
+                            texts=[one if isinstance(one, str) else None for one in prompts])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -285,28 +287,27 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
                               logprobs=body.logprobs_requested(), presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                               min_p=body.min_p, min_tokens=body.min_tokens, logit_bias=body.logit_bias,
-                              allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words)
+                              allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
+                              prompt_logprobs=body.prompt_logprobs_requested())
     except (ValueError, ValidationError) as exc:
-        raise ApiError(400, str(exc), "invalid_request_error") from exc
+        named = str(exc).split(" ", 1)[0]  # SamplingParams' messages begin with the field's name
+        raise ApiError(400, str(exc), "invalid_request_error",
+                       named if named in type(body).model_fields else None) from exc
 
 
-async def _serve(service: ClusterService, request: Request, body, prompts: list[list[int]], kind: str):
-    """Serve `body.n` choices for each of `prompts` (token ids), as one response or one stream."""
+async def _serve(service: ClusterService, request: Request, body, prompts: list[list[int]], kind: str,
+                 texts: list[str | None] | None = None):
+    """Serve `body.n` choices for each of `prompts` (token ids), as one response or one stream.
+    `texts`: the prompts as the client wrote them (None for token ids), which completions' echo
+    shows."""
     config = service.config
+    given = prompts
     # Token ids are checked as truncated: what was cut off is not served (vLLM checks them so too).
     prompts = [_truncated(ids, body.truncate_prompt_tokens, service.max_model_len) for ids in prompts]
     vocab = service.tokenizer.vocab_size
     if any(not 0 <= t < vocab for ids in prompts for t in ids):
         raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "invalid_request_error", "prompt")
     prompt_params = [_sampling(body, len(ids), service.max_model_len) for ids in prompts]
-    if prompt_params[0].bad_words:
-        tokenizer = service.tokenizer
-        try:  # off the event loop, as prompts are: a word may be megabytes long
-            sequences = await asyncio.to_thread(tokenize_bad_words, prompt_params[0].bad_words,
-                                                lambda text: tokenizer.encode(text, False), vocab)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), "invalid_request_error", "bad_words") from exc
-        prompt_params = [dataclasses.replace(one, bad_words_token_ids=sequences) for one in prompt_params]
     params = prompt_params[0]  # the same but for max_tokens, cut to each prompt's room
     if config.prefill_engine == "vllm":
         for ids, one in zip(prompts, prompt_params):
@@ -322,6 +323,16 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
         require_known_bias_tokens(params, service.tokenizer.vocab_size)
     except ValueError as exc:
         raise ApiError(400, str(exc), "invalid_request_error", "logit_bias") from exc
+    if params.bad_words:
+        tokenizer = service.tokenizer
+        try:  # off the event loop, as prompts are: a word may be megabytes long
+            sequences = await asyncio.to_thread(tokenize_bad_words, params.bad_words,
+                                                lambda text: tokenizer.encode(text, False))
+            prompt_params = [dataclasses.replace(one, bad_words_token_ids=sequences) for one in prompt_params]
+            params = prompt_params[0]
+            require_tokenized_bad_words(params, vocab)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "invalid_request_error", "bad_words") from exc
     if params.allowed_token_ids is not None:
         try:
             require_known_allowed_tokens(params, service.tokenizer.vocab_size, service.eos_token_ids)
@@ -361,8 +372,22 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
         raise
     formatters = [None if params.logprobs is None else LogprobFormatter(service.tokenizer, params.skip_special_tokens)
                   for _ in choices]
+    echoes = None
+    if kind == "text_completion" and body.echo:
+        echoes = await asyncio.to_thread(_echo_texts, service.tokenizer, prompts, given, texts or [None] * len(prompts))
+        for index, formatter in enumerate(formatters):
+            if formatter is not None:  # the output's text follows the prompt's
+                formatter.text_offset = len(echoes[index // body.n])
+
+    def echo_logprobs(index: int, prompt_logprobs: list[TokenLogprob] | None) -> dict | None:
+        """Completions' logprobs of choice `index`'s echoed prompt (None without logprobs)."""
+        if formatters[index] is None:
+            return None
+        return echoed_prompt_logprobs(service.tokenizer, prompts[index // body.n], prompt_logprobs or [],
+                                      params.logprobs)
     if body.stream:
-        return _ChoicesStream(_sse(service, request_id, kind, body, prompt_tokens, merged, formatters),
+        return _ChoicesStream(_sse(service, request_id, kind, body, prompt_tokens, merged, formatters, echoes,
+                                   echo_logprobs),
                               shut=merged.shut, media_type="text/event-stream",
                               headers={"Cache-Control": "no-cache"})
     try:
@@ -373,17 +398,47 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
         raise _request_failed(service, exc) from exc
     finally:
         await merged.shut()  # after a hang-up this aborts the requests and frees their KV
-    choices = []
-    for index, (outcome, formatter) in enumerate(zip(outcomes, formatters)):
-        common = {"index": index, "finish_reason": outcome.finish_reason, "stop_reason": outcome.stop_reason}
-        if kind == "chat.completion":
-            choices.append({**common, "message": {"role": "assistant", "content": body.echoed() + outcome.text},
-                            "logprobs": formatter and formatter.chat(outcome.logprobs)})
-        else:
-            choices.append({**common, "text": outcome.text, "logprobs": formatter and formatter.completion(outcome.logprobs)})
-    usage = _usage(prompt_tokens, sum(outcome.num_tokens for outcome in outcomes),
-                   _cached_prompt_tokens([outcome.cached_tokens for outcome in outcomes], body.n))
-    return {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": choices, "usage": usage}
+
+    def response() -> dict:
+        choices = []
+        shown_prompt_logprobs = body.prompt_logprobs is not None
+        for index, (outcome, formatter) in enumerate(zip(outcomes, formatters)):
+            common = {"index": index, "finish_reason": outcome.finish_reason, "stop_reason": outcome.stop_reason}
+            if kind == "chat.completion":
+                choices.append({**common, "message": {"role": "assistant", "content": body.echoed() + outcome.text},
+                                "logprobs": formatter and formatter.chat(outcome.logprobs)})
+                continue
+            text, logprobs = outcome.text, formatter and formatter.completion(outcome.logprobs)
+            if echoes is not None:
+                text = echoes[index // body.n] + text
+                if logprobs is not None:
+                    before = echo_logprobs(index, outcome.prompt_logprobs)
+                    logprobs = {key: before[key] + logprobs[key] for key in logprobs}
+            choice = {**common, "text": text, "logprobs": logprobs}
+            if shown_prompt_logprobs:  # as vLLM: each choice its prompt's
+                choice["prompt_logprobs"] = prompt_logprobs_json(outcome.prompt_logprobs or [], service.tokenizer,
+                                                                 body.prompt_logprobs)
+            choices.append(choice)
+        usage = _usage(prompt_tokens, sum(outcome.num_tokens for outcome in outcomes),
+                       _cached_prompt_tokens([outcome.cached_tokens for outcome in outcomes], body.n))
+        answer = {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": choices,
+                  "usage": usage}
+        if shown_prompt_logprobs and kind == "chat.completion":  # as vLLM: the response's, of its one prompt
+            answer["prompt_logprobs"] = prompt_logprobs_json(outcomes[0].prompt_logprobs or [], service.tokenizer,
+                                                             body.prompt_logprobs)
+        return answer
+
+    if params.prompt_logprobs is None:
+        return response()
+    # Off the event loop: a long prompt's logprobs are megabytes of JSON, seconds of work.
+    return Response(await asyncio.to_thread(lambda: _json(response())), media_type="application/json")
+
+
+def _echo_texts(tokenizer, prompts: list[list[int]], given: list[list[int]], texts: list[str | None]) -> list[str]:
+    """What completions' echo shows of each prompt: the text the client sent, or the decoded
+    token ids when it sent ids or its prompt was truncated (special tokens shown, as sent)."""
+    return [text if text is not None and len(ids) == len(whole) else tokenizer.decode(ids)
+            for ids, whole, text in zip(prompts, given, texts)]
 
 
 def _request_failed(service: ClusterService, exc: Exception) -> ApiError:
@@ -460,6 +515,7 @@ class _Outcome:
     num_tokens: int = 0
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 async def _collect(merged: "_Merged") -> list[_Outcome]:
@@ -471,6 +527,8 @@ async def _collect(merged: "_Merged") -> list[_Outcome]:
         outcome.logprobs += event.logprobs
         outcome.num_tokens = event.num_tokens
         outcome.cached_tokens = event.cached_tokens
+        if event.prompt_logprobs is not None:
+            outcome.prompt_logprobs = event.prompt_logprobs
         outcome.finish_reason = event.finish_reason or outcome.finish_reason
         if event.stop_reason is not None:
             outcome.stop_reason = event.stop_reason
@@ -502,9 +560,12 @@ async def _unless_disconnected(request: Request, work):
 
 
 async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt_tokens: int, merged: "_Merged",
-               formatters: list[LogprobFormatter | None]) -> AsyncIterator[bytes]:
+               formatters: list[LogprobFormatter | None], echoes: list[str] | None = None,
+               echo_logprobs: Callable[[int, list[TokenLogprob] | None], dict | None] | None = None
+               ) -> AsyncIterator[bytes]:
     """The response's server-sent events; the response that sends them shuts the choices
-    (`_ChoicesStream`), however it ends."""
+    (`_ChoicesStream`), however it ends. With completions' echo, each choice's prompt text (and
+    its tokens' logprobs) comes in a chunk of its own before the choice's first output."""
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created = now()
     completion_tokens = [0] * merged.choices
@@ -514,15 +575,18 @@ async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt
         return _usage(prompt_tokens, sum(completion_tokens), _cached_prompt_tokens(cached_tokens, body.n))
 
     def chunk(index: int, delta_text: str | None, reason: str | None, role: bool = False,
-              logprobs: list[TokenLogprob] | None = None, stop: str | int | None = None) -> bytes:
+              logprobs: list[TokenLogprob] | None = None, stop: str | int | None = None,
+              shown_logprobs: dict | None = None) -> bytes:
         formatter = formatters[index]
         if chunk_kind == "chat.completion.chunk":
             delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
             choice = {"index": index, "delta": delta, "finish_reason": reason, "stop_reason": stop,
                       "logprobs": formatter.chat(logprobs) if formatter and logprobs else None}
         else:
+            if shown_logprobs is None and formatter and logprobs:
+                shown_logprobs = formatter.completion(logprobs)
             choice = {"index": index, "text": delta_text or "", "finish_reason": reason, "stop_reason": stop,
-                      "logprobs": formatter.completion(logprobs) if formatter and logprobs else None}
+                      "logprobs": shown_logprobs}
         payload = {"id": request_id, "object": chunk_kind, "created": created, "model": body.model, "choices": [choice]}
         if body.continuous_usage:  # as vLLM: every chunk carries the usage so far
             payload["usage"] = usage()
@@ -536,7 +600,12 @@ async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt
                 yield chunk(index, None, None, role=True)
                 if body.echoed():
                     yield chunk(index, body.echoed(), None)
+        echoed = [echoes is None] * merged.choices
         async for index, event in merged:
+            if not echoed[index]:
+                echoed[index] = True
+                shown = await asyncio.to_thread(echo_logprobs, index, event.prompt_logprobs)
+                yield chunk(index, echoes[index // body.n], None, shown_logprobs=shown)
             completion_tokens[index] = event.num_tokens
             cached_tokens[index] = event.cached_tokens
             if event.delta or event.logprobs or event.finished:

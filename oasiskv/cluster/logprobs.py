@@ -124,6 +124,38 @@ class LogprobFormatter:
                 "text_offset": offsets}
 
 
+def prompt_logprobs_json(entries: list[TokenLogprob], tokenizer, top: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a response: null for the first prompt token (nothing comes
+    before it), then for each token {token id: {logprob, rank, decoded_token}} of the token
+    itself and its `top` best alternatives, in that order, each token decoded alone as vLLM
+    decodes them."""
+    decoded: dict[int, str] = {}
+
+    def item(token_id: int, logprob: float, rank: int | None) -> dict:
+        if token_id not in decoded:
+            decoded[token_id] = tokenizer.decode([token_id])
+        return {"logprob": logprob, "rank": rank, "decoded_token": decoded[token_id]}
+
+    positions: list[dict | None] = [None]
+    for e in entries:
+        position = {str(e.token_id): item(e.token_id, e.logprob, e.rank)}
+        for rank, (token_id, logprob) in enumerate(e.top[:top], 1):
+            position.setdefault(str(token_id), item(token_id, logprob, rank))
+        positions.append(position)
+    return positions
+
+
+def echoed_prompt_logprobs(tokenizer, prompt_ids: list[int], entries: list[TokenLogprob], top: int) -> dict:
+    """Completions' logprobs of an echoed prompt, which precede the output's: as vLLM gives them,
+    the first token's logprob and alternatives are null. Its special tokens are shown, as the
+    prompt shows them."""
+    first = TokenLogprob(prompt_ids[0], 0.0)
+    shown = LogprobFormatter(tokenizer, skip_special_tokens=False).completion(
+        [first] + [TokenLogprob(e.token_id, e.logprob, e.top[:top]) for e in entries])
+    shown["token_logprobs"][0] = shown["top_logprobs"][0] = None
+    return shown
+
+
 def _chat_item(text: str, data: bytes, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(data)}
 

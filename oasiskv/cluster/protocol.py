@@ -47,7 +47,7 @@ def _integer_ids(field: str):
     return field_validator(field, mode="before")(check)
 
 
-_UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty", "prompt_logprobs",
+_UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty",
                             "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -97,11 +97,12 @@ class _SamplingFields(_Lenient):
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: ids and range checked by SamplingParams and the API
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain (tokenized by the API)
+    # vLLM's: the logprobs of the prompt's tokens, each with its rank and this many alternatives.
+    prompt_logprobs: int | None = None
     # vLLM's extensions that are not implemented: refused unless left at these values, since a
     # request that sets one expects it to take effect (they were ignored, and the output differed).
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    prompt_logprobs: int | None = None
     structured_outputs: dict | None = None  # vLLM 0.32's name for what guided_* did
     guided_json: str | dict | None = None
     guided_regex: str | None = None
@@ -126,6 +127,8 @@ class _SamplingFields(_Lenient):
             raise UnsupportedFeature(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFeature("stream_options is only allowed with stream: true")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM: a stream has no place for them
+            raise UnsupportedFeature("prompt_logprobs are not available with stream: true")
         for name in _UNSUPPORTED_VLLM_FIELDS:
             if getattr(self, name) not in (type(self).model_fields[name].default, [], {}):
                 raise UnsupportedFeature(f"{name} is not supported (free text only)" if name == "structured_outputs"
@@ -135,8 +138,21 @@ class _SamplingFields(_Lenient):
             raise UnsupportedFeature(f"response_format {kind!r} is not supported (free text only)")
 
     _stop_text = field_validator("stop")(_encodable)
+    _bad_words_text = field_validator("bad_words")(_encodable)
 
     _allowed_ids = _integer_ids("allowed_token_ids")
+
+    @field_validator("prompt_logprobs", mode="before")
+    @classmethod
+    def _prompt_logprobs_is_a_count(cls, value):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):  # true is not 1
+            raise ValueError(f"prompt_logprobs must be an integer, got {value!r}")
+        return value
+
+    def prompt_logprobs_requested(self) -> int | None:
+        """How many alternatives each prompt token's logprobs list; None: none (SamplingParams
+        checks the range)."""
+        return self.prompt_logprobs
 
     @field_validator("truncate_prompt_tokens", mode="before")
     @classmethod
@@ -188,6 +204,14 @@ class CompletionRequest(_SamplingFields):
             return None
         return int(self.logprobs)
 
+    def prompt_logprobs_requested(self) -> int | None:
+        """An echoed prompt's tokens get logprobs as the output's do (vLLM's echo with logprobs):
+        as many alternatives as either field asks, each cut to its own when shown."""
+        echoed = self.logprobs_requested() if self.echo else None
+        if echoed is None or self.prompt_logprobs is None:
+            return self.prompt_logprobs if echoed is None else echoed
+        return max(echoed, self.prompt_logprobs)
+
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one or several (strings or token id lists), as vLLM reads the field."""
         prompt = self.prompt
@@ -200,8 +224,6 @@ class CompletionRequest(_SamplingFields):
         if prompts * self.n > MAX_CHOICES_PER_REQUEST:
             raise UnsupportedFeature(f"{prompts} prompts x n {self.n} is over {MAX_CHOICES_PER_REQUEST} choices a "
                                      "request; send them in several requests")
-        if self.echo:
-            raise UnsupportedFeature("echo is not supported")
         if self.best_of not in (None, 1):
             raise UnsupportedFeature("best_of is not supported")
         if self.suffix:

@@ -36,6 +36,7 @@ class Event:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens added since the last event
     stop_reason: str | int | None = None  # of a "stop" finish: the stop token id or string; None for EOS
     cached_tokens: int = 0  # of the prompt, taken from the prefill worker's prefix cache (every event the same)
+    prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1..; on a request's first event only
 
 
 class ShuttingDown(RuntimeError):
@@ -328,13 +329,16 @@ class ClusterService:
             # went out with the first decode step, so TTFT counted the working set's transfer and
             # a whole step. The worker's stream repeats its text first: that many characters are cut.
             repeated = self._first_token_text(result.first_token, params)
+            prompt_logprobs = result.prompt_logprobs  # on the first event
             # Token i's logprobs go out with the event that counts token i.
             logprobs = [] if result.first_logprob is None else [result.first_logprob]
             if repeated:
                 first_token_time = last_token_time = time.perf_counter()
                 m.ttft.observe(first_token_time - started)
                 token_count = 1
-                yield Event(repeated, 1, logprobs=logprobs[:1], cached_tokens=result.cached_tokens)
+                yield Event(repeated, 1, logprobs=logprobs[:1], cached_tokens=result.cached_tokens,
+                            prompt_logprobs=prompt_logprobs)
+                prompt_logprobs = None
             repeated = len(repeated)
             while True:
                 try:
@@ -367,7 +371,8 @@ class ClusterService:
                 new_logprobs = logprobs[sent_tokens:token_count]  # empty unless the request asked for them
                 if delta or new_logprobs or out["finished"]:
                     yield Event(delta, token_count, out["finished"], out["finish_reason"], new_logprobs,
-                                out.get("stop_reason"), result.cached_tokens)
+                                out.get("stop_reason"), result.cached_tokens, prompt_logprobs)
+                    prompt_logprobs = None
                 if out["finished"]:
                     break
         except (asyncio.CancelledError, GeneratorExit):

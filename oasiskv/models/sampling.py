@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import numbers
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -42,6 +43,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + how many tokens were more likely: prompt logprobs give it, as vLLM's
 
 
 @dataclass
@@ -60,6 +62,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # None: no logprobs; n: each token's logprob and its n most likely alternatives.
     logprobs: int | None = None
+    # vLLM's prompt_logprobs: the same for each prompt token after the first (computed by the
+    # prefill, which then does not take the prompt from a prefix cache: every position is needed).
+    prompt_logprobs: int | None = None
     # OpenAI's penalties on tokens already generated (presence: once; frequency: per
     # occurrence), and vLLM's repetition penalty on tokens of the prompt or the output.
     presence_penalty: float = 0.0
@@ -95,7 +100,7 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(_is_int(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = [int(t) for t in self.stop_token_ids]
-        optional = tuple(name for name in ("seed", "logprobs") if getattr(self, name) is not None)
+        optional = tuple(name for name in ("seed", "logprobs", "prompt_logprobs") if getattr(self, name) is not None)
         for name in ("max_tokens", "top_k", "min_tokens") + optional:
             if not _is_int(getattr(self, name)):  # a float failed inside torch, not naming the field
                 raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
@@ -114,8 +119,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
             raise ValueError(f"seed must be a signed 64-bit integer, in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         if not isinstance(self.min_p, numbers.Real) or isinstance(self.min_p, bool) \
@@ -137,6 +144,8 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
         if any(not w.strip() for w in self.bad_words):
             raise ValueError("bad_words entries must contain text other than spaces")
+        if len(self.bad_words) > MAX_BAD_WORD_SEQUENCES:  # each makes one sequence at least
+            raise ValueError(f"bad_words may name at most {MAX_BAD_WORD_SEQUENCES} words, got {len(self.bad_words)}")
         self.bad_words = list(dict.fromkeys(self.bad_words))
         if self.bad_words_token_ids is None:
             self.bad_words_token_ids = []
@@ -163,30 +172,27 @@ class SamplingParams:
                 or bool(self.bad_words))
 
 
-def tokenize_bad_words(bad_words: list[str], encode, vocab_size: int) -> list[list[int]]:
+def tokenize_bad_words(bad_words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
     """vLLM's token sequences for bad_words. `encode(text)` gives a text's token ids without
     special tokens. Each word (its leading spaces dropped) is banned as it would begin the
     output, and also after a space, where the tokenizer makes that a different first token of
     the same length (a word in mid-text: 'Ġhello' rather than 'hello'). Raises ValueError for a
-    word with no tokens, ids outside the vocabulary, or more than vLLM's limits."""
+    word with no tokens, or past vLLM's limits (as soon as they are passed: a request of a
+    million words took seconds to refuse)."""
     sequences: list[list[int]] = []
-    for word in dict.fromkeys(bad_words):
+    total = 0
+    for word in dict.fromkeys(bad_words):  # as vLLM, a word given twice counts once
         alone = list(encode(word.lstrip()))
         if not alone:
             raise ValueError(f"bad_words entry {word!r} has no tokens")
-        sequences.append(alone)
         spaced = list(encode(" " + word.lstrip()))
-        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
-            sequences.append(spaced)
-    if len(sequences) > MAX_BAD_WORD_SEQUENCES:
-        raise ValueError(f"bad_words make {len(sequences)} token sequences, more than the {MAX_BAD_WORD_SEQUENCES} "
-                         "allowed")
-    total = sum(len(ids) for ids in sequences)
-    if total > MAX_BAD_WORD_TOKENS:
-        raise ValueError(f"bad_words make {total} tokens, more than the {MAX_BAD_WORD_TOKENS} allowed")
-    bad = [t for ids in sequences for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"bad_words token ids must be in [0, {vocab_size}), got {bad[:5]}")
+        for ids in [alone] + ([spaced] if spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else []):
+            sequences.append(ids)
+            total += len(ids)
+            if len(sequences) > MAX_BAD_WORD_SEQUENCES:
+                raise ValueError(f"bad_words make more than the {MAX_BAD_WORD_SEQUENCES} token sequences allowed")
+            if total > MAX_BAD_WORD_TOKENS:
+                raise ValueError(f"bad_words make more than the {MAX_BAD_WORD_TOKENS} tokens allowed")
     return sequences
 
 
@@ -219,6 +225,10 @@ def require_known_allowed_tokens(params: SamplingParams, vocab_size: int, eos_to
     if params.min_tokens and set(allowed) <= stops:
         raise ValueError(f"allowed_token_ids are all stop tokens, which min_tokens ({params.min_tokens}) bans: no "
                          "token could be generated")
+    always_banned = {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
+    if set(allowed) <= always_banned | (stops if params.min_tokens else set()):
+        raise ValueError("allowed_token_ids are all banned by bad_words" + (" and min_tokens" if params.min_tokens else "")
+                         + ": no token could be generated")
 
 
 def require_tokenized_bad_words(params: SamplingParams, vocab_size: int) -> None:
@@ -226,7 +236,7 @@ def require_tokenized_bad_words(params: SamplingParams, vocab_size: int) -> None
     were never made would ban nothing."""
     if params.bad_words and not params.bad_words_token_ids:
         raise ValueError("bad_words were given without their token sequences: fill bad_words_token_ids with "
-                         "tokenize_bad_words(bad_words, encode, vocab_size)")
+                         "tokenize_bad_words(bad_words, encode)")
     bad = [t for ids in params.bad_words_token_ids for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"bad_words token ids must be in [0, {vocab_size}), got {bad[:5]}")
@@ -284,18 +294,20 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
                    drafts: list[int] = (), eos_token_ids=()) -> torch.Tensor:
     """The logits the request samples from, rows [1 + len(drafts), V]: row i is output position
     len(output_ids) + i and follows the output and drafts[:i] (a speculative step verifies several
-    positions at once). In vLLM's order: allowed_token_ids, bad_words, min_tokens, logit_bias,
-    then the penalties. A new fp32 tensor; the raw logits stay for the logprobs, which are vLLM's
-    raw ones."""
+    positions at once). In vLLM's order: allowed_token_ids, bad_words and min_tokens (bans, which
+    commute), logit_bias, then the penalties. A new fp32 tensor; the raw logits stay for the
+    logprobs, which are vLLM's raw ones."""
     logits = logits.float().clone()
     if params.allowed_token_ids is not None:
         allowed = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)] = True
         logits[:, ~allowed] = float("-inf")
-    if params.bad_words:
-        _ban_bad_words(logits, params.bad_words_token_ids, list(output_ids) + list(drafts[: logits.shape[0] - 1]),
-                       len(output_ids))
     _ban_stops_before_min_tokens(logits, params, len(output_ids), eos_token_ids)
+    if params.bad_words:
+        # What a sequence's other tokens may match: the output's last tokens, then the drafts.
+        tail = list(output_ids[len(output_ids) - min(len(output_ids), max(map(len, params.bad_words_token_ids)) - 1):])
+        _ban_bad_words(logits, params.bad_words_token_ids, tail + list(drafts[: logits.shape[0] - 1]), len(tail),
+                       keep_one=params.allowed_token_ids is not None)
     if params.logit_bias:
         ids = torch.tensor(list(params.logit_bias), dtype=torch.long, device=logits.device)
         logits[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=logits.device)
@@ -304,20 +316,24 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
     return logits
 
 
-def _ban_bad_words(logits: torch.Tensor, sequences: list[list[int]], generated: list[int], base: int) -> None:
-    """Row i follows generated[:base + i] (the output, then the drafts before it): a sequence's
-    last token gets -inf there when the sequence's other tokens end it. In place; only the output
-    counts, as in vLLM, not the prompt."""
-    banned = [[] for _ in range(logits.shape[0])]
+def _ban_bad_words(logits: torch.Tensor, sequences: list[list[int]], generated: list[int], base: int,
+                   keep_one: bool = False) -> None:
+    """Row i follows generated[:base + i] (the output's end, then the drafts before it): a
+    sequence's last token gets -inf there when the sequence's other tokens end it. In place; only
+    the output counts, as in vLLM, not the prompt.
+
+    `keep_one` (a request with allowed_token_ids): a row whose bans would leave no token keeps
+    its words, which give way. Sampling from no token failed the whole decode step; allowed
+    tokens that one-token words all ban are refused at admission, but what longer words ban
+    depends on the output."""
     for i in range(logits.shape[0]):
         end = base + i
-        for ids in sequences:
-            before = len(ids) - 1
-            if before <= end and generated[end - before : end] == ids[:-1]:
-                banned[i].append(ids[-1])
-    for i, tokens in enumerate(banned):
-        if tokens:
-            logits[i, torch.tensor(tokens, dtype=torch.long, device=logits.device)] = float("-inf")
+        tokens = [ids[-1] for ids in sequences if len(ids) - 1 <= end and generated[end - len(ids) + 1 : end] == ids[:-1]]
+        if not tokens:
+            continue
+        banned = logits[i].index_fill(0, torch.tensor(tokens, dtype=torch.long, device=logits.device), float("-inf"))
+        if not keep_one or torch.isfinite(banned).any():
+            logits[i] = banned
 
 
 def _ban_stops_before_min_tokens(logits: torch.Tensor, params: SamplingParams, num_output: int, eos_token_ids) -> None:
@@ -397,18 +413,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return tokens
 
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
-    """logits: [len(tokens), V], row i the one token i was sampled from."""
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, ranked: bool = False) -> list[TokenLogprob]:
+    """logits: [len(tokens), V], row i the one token i was sampled from (or, for a prompt, the
+    position before it). `ranked`: each token's rank too, as vLLM's prompt logprobs give it."""
     if not tokens:
         return []
     logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
-    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device).unsqueeze(-1)).squeeze(-1).tolist()
+    chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device).unsqueeze(-1))
+    ranks = (logprobs > chosen).sum(dim=-1).add(1).tolist() if ranked else [None] * len(tokens)
     if top:
         values, ids = torch.topk(logprobs, top, dim=-1)
         tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
     else:
         tops = [()] * len(tokens)
-    return [TokenLogprob(t, lp, alt) for t, lp, alt in zip(tokens, chosen, tops)]
+    return [TokenLogprob(t, lp, alt, rank) for t, lp, alt, rank in zip(tokens, chosen.squeeze(-1).tolist(), tops, ranks)]
 
 
 def stream_seed(seed: int, stream: str) -> int:

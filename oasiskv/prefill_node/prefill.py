@@ -33,6 +33,10 @@ from .prefix_cache import PrefixCache
 
 log = logging.getLogger("oasiskv.prefill")
 
+# Prompt positions whose logits over the vocabulary are made at once for prompt_logprobs
+# (256 x 152K fp32 is 156 MB).
+PROMPT_LOGITS_ROWS = 256
+
 
 @dataclass
 class PrefillResult:
@@ -46,6 +50,9 @@ class PrefillResult:
     kv_bytes_written: int
     first_logprob: TokenLogprob | None = None  # when the request asked for logprobs
     cached_tokens: int = 0  # the prompt's beginning taken from the prefix cache, not computed
+    # When the request asked for prompt_logprobs: those of prompt tokens 1.. (ranked); token 0
+    # has none, nothing coming before it.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def kv_layout_for(model: DecoderModel, block_size: int = 16, summary_kind: str = DEFAULT_SUMMARY_KIND) -> KVLayout:
@@ -155,14 +162,18 @@ class Prefiller:
                 ranking_radius_weight(layout.summary_kind))
 
         backend = _CapturingAttention(cache, config.sliding_window, config.softmax_scale, ship_layer)
+        prompt_logprobs = None if params.prompt_logprobs is None else []
         try:
-            cached = self._load_prefix(prompt_ids, cache)
+            # A cached beginning has no logits: prompt logprobs need every position computed.
+            cached = self._load_prefix(prompt_ids, cache) if prompt_logprobs is None else 0
             for start in range(cached, num_tokens, self.chunk_tokens):
                 raise_if(cancelled, request_id)
                 end = min(num_tokens, start + self.chunk_tokens)
                 backend.final_chunk = end == num_tokens
                 backend.batch = AttentionBatch.dense([table], [start], [end - start], layout.block_size, device)
                 hidden = model(torch.tensor(prompt_ids[start:end], device=device), torch.arange(start, end, device=device), backend)
+                if prompt_logprobs is not None:
+                    prompt_logprobs += self._prompt_logprobs(hidden, prompt_ids[start + 1 : end + 1], params.prompt_logprobs)
             logits = model.compute_logits(hidden[-1:]).cpu()  # sampled with a CPU generator, as the decode node does
             generator = None if params.greedy else make_generator(params.seed)
             chosen_from = (process_logits(logits, params, prompt_ids, [], eos_token_ids=self.eos_token_ids)
@@ -185,7 +196,18 @@ class Prefiller:
             except Exception as error:  # out of memory, say: the request is done all the same, its KV handed over
                 log.warning("prefix cache kept nothing of %s: %r", request_id, error)
         written = num_blocks * config.num_layers * config.num_kv_heads * layout.unit_bytes
-        return PrefillResult(request_id, list(prompt_ids), first, layout, selection, written, first_logprob, cached)
+        return PrefillResult(request_id, list(prompt_ids), first, layout, selection, written, first_logprob, cached,
+                             prompt_logprobs)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, next_tokens: list[int], top: int) -> list[TokenLogprob]:
+        """The logprobs of `next_tokens` from the chunk's rows before them, a slice of rows at a
+        time: a whole chunk's logits over the vocabulary (152K entries each for Qwen) would take
+        gigabytes."""
+        entries: list[TokenLogprob] = []
+        for at in range(0, len(next_tokens), PROMPT_LOGITS_ROWS):
+            tokens = next_tokens[at : at + PROMPT_LOGITS_ROWS]
+            entries += token_logprobs(self.model.compute_logits(hidden[at : at + len(tokens)]), tokens, top, ranked=True)
+        return entries
 
     def _load_prefix(self, prompt_ids: list[int], cache: PagedKVCache) -> int:
         """Copy the prompt's cached beginning into `cache` (slot == position); returns its tokens."""

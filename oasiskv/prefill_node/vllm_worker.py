@@ -117,6 +117,7 @@ def to_vllm_sampling(params: SamplingParams, request_id: str, store_address: str
         logit_bias=dict(params.logit_bias) or None,
         allowed_token_ids=params.allowed_token_ids,
         bad_words=params.bad_words or None,  # tokenized by vLLM as by the API: the same sequences
+        prompt_logprobs=params.prompt_logprobs,
         extra_args={"kv_transfer_params": {REQUEST_ID_PARAM: request_id, STORE_PARAM: store_address}},
         **_first_token_min_tokens(params),
     )
@@ -138,9 +139,29 @@ def first_logprob(logprobs, token: int, top: int | None) -> TokenLogprob | None:
         return None
     if not logprobs or token not in logprobs[0]:
         raise VLLMPrefillError(f"vLLM returned no logprob for its token {token}")
-    entries = logprobs[0]
+    return _token_logprob(logprobs[0], token, top)
+
+
+def prompt_logprobs_of(entries, prompt_ids: list[int], top: int | None) -> list[TokenLogprob] | None:
+    """vLLM's prompt logprobs (None for the first token, then {token id: Logprob} holding the
+    prompt's token and the `top` best) as ranked TokenLogprobs of prompt tokens 1.., as
+    OasisKV's prefill gives them."""
+    if top is None:
+        return None
+    if entries is None or len(entries) != len(prompt_ids):
+        raise VLLMPrefillError(f"vLLM returned prompt logprobs for {len(entries or ())} of {len(prompt_ids)} tokens")
+    out = []
+    for token, at in zip(prompt_ids[1:], entries[1:]):
+        if not at or token not in at:
+            raise VLLMPrefillError(f"vLLM returned no prompt logprob for token {token}")
+        out.append(_token_logprob(at, token, top, ranked=True))
+    return out
+
+
+def _token_logprob(entries: dict, token: int, top: int, ranked: bool = False) -> TokenLogprob:
     best = sorted((e.rank, tid, e.logprob) for tid, e in entries.items() if e.rank is not None and e.rank <= top)
-    return TokenLogprob(token, float(entries[token].logprob), tuple((tid, float(lp)) for _rank, tid, lp in best[:top]))
+    return TokenLogprob(token, float(entries[token].logprob), tuple((tid, float(lp)) for _rank, tid, lp in best[:top]),
+                        entries[token].rank if ranked else None)
 
 
 class VLLMPrefillWorker:
@@ -221,7 +242,9 @@ class VLLMPrefillWorker:
         written = layout.num_blocks(len(prompt_ids)) * layout.num_layers * layout.num_kv_heads * layout.unit_bytes
         first = int(output.outputs[0].token_ids[0])
         return PrefillResult(request_id, list(prompt_ids), first, layout, empty, written,
-                             first_logprob(output.outputs[0].logprobs, first, sampling.logprobs))
+                             first_logprob(output.outputs[0].logprobs, first, sampling.logprobs),
+                             prompt_logprobs=prompt_logprobs_of(output.prompt_logprobs, prompt_ids,
+                                                                sampling.prompt_logprobs))
 
     def _abort_unfinished(self) -> None:
         """A `generate` that raised leaves its request inside vLLM: the next call then finished

@@ -12,6 +12,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from oasiskv.cluster.config import ServeConfig
 from oasiskv.cluster.protocol import ChatCompletionRequest, CompletionRequest
@@ -116,6 +117,84 @@ def test_bad_words_keep_words_out_of_the_output_greedy_or_sampled(client, smollm
         assert not {"fox", " fox"} & set(tokens), tokens
         assert all(tokens[i - 1 : i + 1] not in (["lazy", " dog"], [" lazy", " dog"]) for i in range(1, len(tokens)))
     assert "fox" not in greedy.choices[0].text, greedy.choices[0].text
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(smollm2_dir):
+    """transformers' log-softmax at each position of a token list, on the server's weights."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return logprobs
+
+
+def test_prompt_logprobs_are_the_models_and_skip_the_prefix_cache(client, smollm2_llm, reference_logprobs):
+    """vLLM's prompt_logprobs (refused before): for each prompt token after the first, its logprob,
+    rank and the best alternatives, as transformers scores them; the prompt is computed whole even
+    when a prefix cache holds it."""
+    prompt = stdlib_source("heapq.py")[:1200]
+    ids = smollm2_llm.encode(prompt)
+    client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=1)
+    cached = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=1)
+    assert cached.usage.prompt_tokens_details.cached_tokens > 0
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    positions = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(positions) == len(ids) and positions[0] is None
+    reference = reference_logprobs(ids)
+    for at, position in enumerate(positions[1:], 1):
+        token = position[str(ids[at])]
+        assert abs(token["logprob"] - reference[at - 1, ids[at]].item()) < 1e-3
+        assert token["decoded_token"] == smollm2_llm.tokenizer.decode([ids[at]])
+        best = sorted(position.values(), key=lambda item: item["rank"])
+        assert [item["rank"] for item in best][:2] == [1, 2] and len(position) in (2, 3)
+    ranks = [position[str(ids[at])]["rank"] for at, position in enumerate(positions[1:], 1)]
+    assert min(ranks) == 1 and max(ranks) > 2
+    chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Hi there"}],
+                                          max_tokens=2, extra_body={"prompt_logprobs": 0})
+    chat_positions = chat.model_extra["prompt_logprobs"]
+    assert len(chat_positions) == chat.usage.prompt_tokens and chat_positions[0] is None
+    assert all(len(position) == 1 for position in chat_positions[1:])
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(client, smollm2_llm, reference_logprobs):
+    """Completions' echo (refused before), as vLLM gives it: the prompt's text, then the output;
+    with logprobs, the prompt's tokens first, the first with none. Streamed, the prompt comes
+    first."""
+    prompt = "def fibonacci(n):\n    # 世界"
+    ids = smollm2_llm.encode(prompt)
+    expected = _expected(smollm2_llm, ids, 6)
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                    logprobs=1)
+    choice = out.choices[0]
+    assert choice.text == prompt + expected
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == len(ids) + out.usage.completion_tokens
+    assert all(choice.text[at:].startswith(token) for at, token in zip(lp.text_offset, lp.tokens))
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    reference = reference_logprobs(ids)
+    for at in range(1, len(ids)):
+        assert abs(lp.token_logprobs[at] - reference[at - 1, ids[at]].item()) < 1e-3
+    assert all(len(top) >= 1 for top in lp.top_logprobs[1:])
+    plain = client.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert plain.choices[0].text == smollm2_llm.tokenizer.decode(ids) + expected and plain.choices[0].logprobs is None
+    stream = client.completions.create(model=DEFAULT_MODEL, prompt=[prompt, "x = "], max_tokens=6, temperature=0,
+                                       echo=True, n=2, stream=True)
+    texts = ["", "", "", ""]
+    firsts = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            firsts.setdefault(c.index, c.text)
+            texts[c.index] += c.text
+    assert firsts == {0: prompt, 1: prompt, 2: "x = ", 3: "x = "}
+    assert texts[:2] == [prompt + expected] * 2
+    assert texts[2] == texts[3] == "x = " + _expected(smollm2_llm, smollm2_llm.encode("x = "), 6)
 
 
 def test_truncate_prompt_tokens_serves_the_prompts_end(client, smollm2_llm):
@@ -461,7 +540,15 @@ def _post(server, path: str, body: dict) -> httpx.Response:
          "bad_words entries must contain text other than spaces"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "bad_words": "fox"}, 400, "bad_words"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "bad_words": [f"word{i}" for i in range(65)]}, 400,
-         "token sequences, more than the 128 allowed"),
+         "bad_words make more than the 128 token sequences allowed"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "bad_words": ["fox", "\ud800"]}, 400, "lone surrogate"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "bad_words": ["fox"], "allowed_token_ids": [29343, 16438]}, 400,
+         "allowed_token_ids are all banned by bad_words"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs must be in [0, 20]"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "prompt_logprobs": True}, 400, "prompt_logprobs must be an integer"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400,
+         "prompt_logprobs are not available with stream: true"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "echo": True, "logprobs": 21}, 400, "logprobs must be in [0, 20]"),
         # -1 keeps max_model_len's worth: no room is left for the output.
         ({"model": DEFAULT_MODEL, "prompt": [1] * 9000, "truncate_prompt_tokens": -1}, 400, "context"),
     ],

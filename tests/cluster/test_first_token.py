@@ -52,7 +52,8 @@ class _DecodeStream:
 def _service(tokenizer, first_token, decode_outputs):
     loop = asyncio.get_running_loop()
     prefilled = loop.create_future()
-    prefilled.set_result(SimpleNamespace(first_token=first_token, first_logprob=None, cached_tokens=0))
+    prefilled.set_result(SimpleNamespace(first_token=first_token, first_logprob=None, cached_tokens=0,
+                                         prompt_logprobs=None))
     stream = _DecodeStream(decode_outputs)
     prefill = SimpleNamespace(prefill=_Call(prefilled))
     decode = SimpleNamespace(generate=_Call(stream), abort=_Call(None))

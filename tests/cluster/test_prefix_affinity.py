@@ -65,7 +65,7 @@ class _Prefill:
         if self.fails:
             raise RuntimeError("stand-in prefill")
         answer = asyncio.get_running_loop().create_future()
-        answer.set_result(SimpleNamespace(first_token=5, first_logprob=None, cached_tokens=0))
+        answer.set_result(SimpleNamespace(first_token=5, first_logprob=None, cached_tokens=0, prompt_logprobs=None))
         return answer
 
 

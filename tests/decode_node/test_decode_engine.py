@@ -221,8 +221,7 @@ def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
         return repeated, SamplingParams(max_tokens=64, ignore_eos=True, allowed_token_ids=sorted(set(repeated) - banned))
     if case == "bad_words":  # a word of one token and one of two, each where drafts propose it
         words = ["fox", "five dozen"]
-        sequences = tokenize_bad_words(words, lambda text: llm.tokenizer.encode(text, add_special_tokens=False),
-                                       llm.model.config.vocab_size)
+        sequences = tokenize_bad_words(words, lambda text: llm.tokenizer.encode(text, add_special_tokens=False))
         return repeated, SamplingParams(max_tokens=64, ignore_eos=True, bad_words=words, bad_words_token_ids=sequences)
     if case.startswith("min_tokens"):  # the model says "Yes." and ends, with EOS as soon as it may
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Reply with one word: yes or no?"}])

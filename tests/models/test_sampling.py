@@ -342,20 +342,25 @@ def test_bad_words_are_tokenized_as_vllm_does():
                 ids.append(ord(c) - 96 + (26 if i and text[i - 1] == " " else 0))
         return ids
 
-    assert tokenize_bad_words(["ab", "  c"], encode, 100) == [[1, 2], [27, 2], [3], [29]]
+    assert tokenize_bad_words(["ab", "  c"], encode) == [[1, 2], [27, 2], [3], [29]]
 
     def merging(text: str) -> list[int]:  # the space makes one token of a whole word: another length
         return [99] if text.startswith(" ") else [ord(c) - 96 for c in text]
 
-    assert tokenize_bad_words(["ab"], merging, 100) == [[1, 2]]
+    assert tokenize_bad_words(["ab"], merging) == [[1, 2]]
     with pytest.raises(ValueError, match="bad_words entry 'x' has no tokens"):
-        tokenize_bad_words(["x"], lambda text: [], 100)
-    with pytest.raises(ValueError, match=r"bad_words make 130 token sequences, more than the 128 allowed"):
-        tokenize_bad_words([chr(97 + i % 26) * (1 + i // 26) for i in range(65)], lambda text: [len(text)], 100)
-    with pytest.raises(ValueError, match=r"bad_words make 1025 tokens, more than the 1024 allowed"):
-        tokenize_bad_words(["a" * 1025], lambda text: [1] * len(text.strip()), 100)
-    with pytest.raises(ValueError, match=r"bad_words token ids must be in \[0, 10\), got \[27\]"):
-        tokenize_bad_words(["ab"], encode, 10)
+        tokenize_bad_words(["x"], lambda text: [])
+    calls = []
+
+    def counting(text: str) -> list[int]:
+        calls.append(text)
+        return [len(text)]
+
+    with pytest.raises(ValueError, match="bad_words make more than the 128 token sequences allowed"):
+        tokenize_bad_words([chr(97 + i % 26) * (1 + i // 26) for i in range(1000)], counting)
+    assert len(calls) == 2 * 65  # refused at the 129th sequence, not after every word
+    with pytest.raises(ValueError, match="bad_words make more than the 1024 tokens allowed"):
+        tokenize_bad_words(["a" * 1025], lambda text: [1] * len(text.strip()))
 
 
 @pytest.mark.parametrize(
@@ -368,6 +373,7 @@ def test_bad_words_are_tokenized_as_vllm_does():
         ({"bad_words": ["w"], "bad_words_token_ids": [[]]}, "bad_words_token_ids must be a list of non-empty lists"),
         ({"bad_words": ["w"], "bad_words_token_ids": [[1, True]]}, "bad_words_token_ids must be a list of non-empty"),
         ({"bad_words_token_ids": [[1]]}, "bad_words_token_ids are made from bad_words"),
+        ({"bad_words": [f"w{i}" for i in range(129)]}, "bad_words may name at most 128 words, got 129"),
     ],
 )
 def test_bad_bad_words_name_the_problem(kwargs, message):
@@ -384,3 +390,26 @@ def test_bad_words_need_their_sequences_of_known_ids_before_an_engine_takes_them
     with pytest.raises(ValueError, match=r"bad_words token ids must be in \[0, 100\), got \[100\]"):
         require_known_tokens(SamplingParams(bad_words=["fox"], bad_words_token_ids=[[5, 100]]), 100)
     require_known_tokens(SamplingParams(bad_words=["fox"], bad_words_token_ids=[[5, 99]]), 100)
+
+
+def test_bad_words_never_leave_a_request_no_token_to_generate():
+    """With allowed_token_ids, bans could leave a row nothing to sample from, which failed the
+    whole decode step: one-token words that ban every allowed token are refused at admission
+    (with min_tokens' stops too), and a longer word that would ban the last one gives way."""
+    from oasiskv.models.sampling import process_logits, require_known_tokens
+
+    with pytest.raises(ValueError, match="allowed_token_ids are all banned by bad_words: no token"):
+        require_known_tokens(SamplingParams(allowed_token_ids=[3], bad_words=["w"], bad_words_token_ids=[[3]]), 10)
+    with pytest.raises(ValueError, match="allowed_token_ids are all banned by bad_words and min_tokens"):
+        require_known_tokens(SamplingParams(allowed_token_ids=[3, 5], bad_words=["w"], bad_words_token_ids=[[3]],
+                                            min_tokens=2, stop_token_ids=[5]), 10)
+    require_known_tokens(SamplingParams(allowed_token_ids=[3, 5], bad_words=["w"], bad_words_token_ids=[[3]]), 10)
+    params = SamplingParams(allowed_token_ids=[3, 4], bad_words=["w"], bad_words_token_ids=[[1, 3], [1, 4], [2, 4]])
+    require_known_tokens(params, 10)
+    got = process_logits(torch.zeros(3, 10), params, [7], [1], drafts=[2, 9])
+    assert torch.isfinite(got[0]).tolist() == [i in (3, 4) for i in range(10)]  # after 1: 3 and 4 give way
+    assert torch.isfinite(got[1]).tolist() == [i == 3 for i in range(10)]  # after 2: 4 banned, 3 left
+    assert torch.isfinite(got[2]).tolist() == [i in (3, 4) for i in range(10)]
+    unrestricted = process_logits(torch.zeros(1, 10), SamplingParams(bad_words=["w"], bad_words_token_ids=[[1, 3]]),
+                                  [7], [1])
+    assert torch.isinf(unrestricted[0, 3])  # without allowed_token_ids, no row can empty: the ban holds

@@ -141,5 +141,31 @@ def test_bad_words_make_the_token_sequences_vllm_makes(smollm2_dir):
     theirs = VLLMSamplingParams(bad_words=words)
     theirs.update_from_tokenizer(get_tokenizer(str(smollm2_dir)))
     ours = load_tokenizer(smollm2_dir)
-    assert tokenize_bad_words(words, lambda text: ours.encode(text, False), ours.vocab_size) == \
-        theirs._bad_words_token_ids
+    assert tokenize_bad_words(words, lambda text: ours.encode(text, False)) == theirs._bad_words_token_ids
+
+
+def test_prompt_logprobs_and_echo_through_a_vllm_prefill_are_the_models(client, smollm2_llm, smollm2_dir):
+    """vLLM computes the prompt's logprobs (and ranks) in its prefill; they reach the response as
+    OasisKV's prefill would give them: transformers' on the same weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = stdlib_source("heapq.py")[:600]
+    ids = smollm2_llm.encode(prompt)
+    out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                    logprobs=1, extra_body={"prompt_logprobs": 2})
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(reference(torch.tensor([ids])).logits[0].float(), dim=-1)
+    positions = out.choices[0].model_extra["prompt_logprobs"]
+    assert len(positions) == len(ids) and positions[0] is None
+    chosen = logprobs[:-1].gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
+    ranks = ((logprobs[:-1] > chosen.unsqueeze(-1)).sum(dim=-1) + 1).tolist()
+    served = [position[str(token)] for position, token in zip(positions[1:], ids[1:])]
+    assert max(abs(item["logprob"] - ref) for item, ref in zip(served, chosen.tolist())) < 1e-3
+    assert sum(item["rank"] == rank for item, rank in zip(served, ranks)) > 0.97 * len(served)
+    choice = out.choices[0]
+    expected = smollm2_llm.generate([ids], SamplingParams(max_tokens=4))[0].text
+    assert choice.text == prompt + expected
+    assert choice.logprobs.token_logprobs[0] is None
+    assert max(abs(a - b) for a, b in zip(choice.logprobs.token_logprobs[1 : len(ids)], chosen.tolist())) < 1e-3

@@ -135,11 +135,13 @@ class LLM:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str = "") -> str:
         params = params or SamplingParams()
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs are computed by the cluster's prefill (oasiskv serve, "
+                             "prefill_node.Prefiller), not by LLM")
         ids = self.encode(prompt)
         if params.bad_words and not params.bad_words_token_ids:  # a copy: the caller's may serve other prompts
             params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(
-                params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-                self.model.config.vocab_size))
+                params.bad_words, lambda text: self.tokenizer.encode(text, add_special_tokens=False)))
         require_known_tokens(params, self.model.config.vocab_size, self.eos_token_ids)
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestTooLarge(
