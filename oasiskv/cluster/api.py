@@ -31,7 +31,7 @@ from ..models.sampling import (
     tokenize_bad_words,
 )
 from ..prefill_node.vllm_worker import vllm_prefill_refusal
-from .logprobs import LogprobFormatter, echoed_prompt_logprobs, prompt_logprobs_json
+from .logprobs import LogprobFormatter, PromptLogprobs
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,7 +43,7 @@ from .protocol import (
     now,
 )
 from .router import Overloaded, TooLarge
-from .service import ClusterService, ShuttingDown
+from .service import ClusterService, Event, ShuttingDown
 
 log = logging.getLogger("oasiskv.api")
 
@@ -247,7 +247,7 @@ def _check(body, served: str) -> None:
     try:
         body.check_supported()
     except UnsupportedFeature as exc:
-        raise ApiError(400, str(exc), "invalid_request_error") from exc
+        raise ApiError(400, str(exc), "invalid_request_error", _field_named(str(exc), body)) from exc
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -290,9 +290,14 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
                               allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
                               prompt_logprobs=body.prompt_logprobs_requested())
     except (ValueError, ValidationError) as exc:
-        named = str(exc).split(" ", 1)[0]  # SamplingParams' messages begin with the field's name
-        raise ApiError(400, str(exc), "invalid_request_error",
-                       named if named in type(body).model_fields else None) from exc
+        raise ApiError(400, str(exc), "invalid_request_error", _field_named(str(exc), body)) from exc
+
+
+def _field_named(message: str, body) -> str | None:
+    """The request field a refusal names first, as the error's `param` (SamplingParams' and
+    check_supported's messages begin with it)."""
+    named = message.split(" ", 1)[0]
+    return named if named in type(body).model_fields else None
 
 
 async def _serve(service: ClusterService, request: Request, body, prompts: list[list[int]], kind: str,
@@ -301,7 +306,7 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
     `texts`: the prompts as the client wrote them (None for token ids), which completions' echo
     shows."""
     config = service.config
-    given = prompts
+    untruncated = prompts
     # Token ids are checked as truncated: what was cut off is not served (vLLM checks them so too).
     prompts = [_truncated(ids, body.truncate_prompt_tokens, service.max_model_len) for ids in prompts]
     vocab = service.tokenizer.vocab_size
@@ -345,9 +350,10 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
     request_id = new_id("chatcmpl" if kind == "chat.completion" else "cmpl")
     # Each choice is a request to the cluster (prefilled, decoded and counted on its own); choice
     # j > 0 of a prompt samples from a seed derived from the request's, so the choices differ and
-    # the response is reproducible. Choice index: prompt after prompt, n each, as in vLLM.
+    # the response is reproducible. Choice index: prompt after prompt, n each, as in vLLM. Choice
+    # 0 alone computes the prompt's logprobs, which skip the prefix cache: its siblings need not.
     choices = [(ids, one if j == 0 else dataclasses.replace(
-                    one, seed=None if one.seed is None else stream_seed(one.seed, f"choice-{j}")))
+                    one, seed=None if one.seed is None else stream_seed(one.seed, f"choice-{j}"), prompt_logprobs=None))
                for ids, one in zip(prompts, prompt_params) for j in range(body.n)]
     prompt_tokens = sum(len(ids) for ids in prompts)
     # Every choice is pulled from now on, each as fast as it comes: a choice that waits for room
@@ -374,20 +380,12 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
                   for _ in choices]
     echoes = None
     if kind == "text_completion" and body.echo:
-        echoes = await asyncio.to_thread(_echo_texts, service.tokenizer, prompts, given, texts or [None] * len(prompts))
-        for index, formatter in enumerate(formatters):
-            if formatter is not None:  # the output's text follows the prompt's
-                formatter.text_offset = len(echoes[index // body.n])
-
-    def echo_logprobs(index: int, prompt_logprobs: list[TokenLogprob] | None) -> dict | None:
-        """Completions' logprobs of choice `index`'s echoed prompt (None without logprobs)."""
-        if formatters[index] is None:
-            return None
-        return echoed_prompt_logprobs(service.tokenizer, prompts[index // body.n], prompt_logprobs or [],
-                                      params.logprobs)
+        echoes = await asyncio.to_thread(_echo_texts, service.tokenizer, prompts, untruncated,
+                                         texts or [None] * len(prompts))
+    shown = None if params.prompt_logprobs is None else PromptLogprobs(
+        service.tokenizer, prompts, params.logprobs if echoes is not None else None, params.prompt_logprobs)
     if body.stream:
-        return _ChoicesStream(_sse(service, request_id, kind, body, prompt_tokens, merged, formatters, echoes,
-                                   echo_logprobs),
+        return _ChoicesStream(_sse(service, request_id, kind, body, prompt_tokens, merged, formatters, echoes, shown),
                               shut=merged.shut, media_type="text/event-stream",
                               headers={"Cache-Control": "no-cache"})
     try:
@@ -401,44 +399,47 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
 
     def response() -> dict:
         choices = []
-        shown_prompt_logprobs = body.prompt_logprobs is not None
         for index, (outcome, formatter) in enumerate(zip(outcomes, formatters)):
             common = {"index": index, "finish_reason": outcome.finish_reason, "stop_reason": outcome.stop_reason}
             if kind == "chat.completion":
                 choices.append({**common, "message": {"role": "assistant", "content": body.echoed() + outcome.text},
                                 "logprobs": formatter and formatter.chat(outcome.logprobs)})
                 continue
-            text, logprobs = outcome.text, formatter and formatter.completion(outcome.logprobs)
+            prompt = index // body.n
+            entries = outcomes[prompt * body.n].prompt_logprobs or []  # its first choice's
+            text, logprobs = outcome.text, None
             if echoes is not None:
-                text = echoes[index // body.n] + text
-                if logprobs is not None:
-                    before = echo_logprobs(index, outcome.prompt_logprobs)
-                    logprobs = {key: before[key] + logprobs[key] for key in logprobs}
+                text = echoes[prompt] + text
+            if formatter is not None and echoes is not None:
+                before, formatter.text_offset = shown.echoed(prompt, entries)
+                after = formatter.completion(outcome.logprobs)
+                logprobs = {key: before[key] + after[key] for key in after}
+            elif formatter is not None:
+                logprobs = formatter.completion(outcome.logprobs)
             choice = {**common, "text": text, "logprobs": logprobs}
-            if shown_prompt_logprobs:  # as vLLM: each choice its prompt's
-                choice["prompt_logprobs"] = prompt_logprobs_json(outcome.prompt_logprobs or [], service.tokenizer,
-                                                                 body.prompt_logprobs)
+            if shown is not None:  # as vLLM: each choice its prompt's
+                choice["prompt_logprobs"] = shown.shown(prompt, entries)
             choices.append(choice)
         usage = _usage(prompt_tokens, sum(outcome.num_tokens for outcome in outcomes),
                        _cached_prompt_tokens([outcome.cached_tokens for outcome in outcomes], body.n))
         answer = {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": choices,
                   "usage": usage}
-        if shown_prompt_logprobs and kind == "chat.completion":  # as vLLM: the response's, of its one prompt
-            answer["prompt_logprobs"] = prompt_logprobs_json(outcomes[0].prompt_logprobs or [], service.tokenizer,
-                                                             body.prompt_logprobs)
+        if shown is not None and kind == "chat.completion":  # as vLLM: the response's, of its one prompt
+            answer["prompt_logprobs"] = shown.shown(0, outcomes[0].prompt_logprobs or [])
         return answer
 
-    if params.prompt_logprobs is None:
+    if shown is None:
         return response()
     # Off the event loop: a long prompt's logprobs are megabytes of JSON, seconds of work.
     return Response(await asyncio.to_thread(lambda: _json(response())), media_type="application/json")
 
 
-def _echo_texts(tokenizer, prompts: list[list[int]], given: list[list[int]], texts: list[str | None]) -> list[str]:
+def _echo_texts(tokenizer, prompts: list[list[int]], untruncated: list[list[int]],
+                texts: list[str | None]) -> list[str]:
     """What completions' echo shows of each prompt: the text the client sent, or the decoded
     token ids when it sent ids or its prompt was truncated (special tokens shown, as sent)."""
     return [text if text is not None and len(ids) == len(whole) else tokenizer.decode(ids)
-            for ids, whole, text in zip(prompts, given, texts)]
+            for ids, whole, text in zip(prompts, untruncated, texts)]
 
 
 def _request_failed(service: ClusterService, exc: Exception) -> ApiError:
@@ -561,11 +562,11 @@ async def _unless_disconnected(request: Request, work):
 
 async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt_tokens: int, merged: "_Merged",
                formatters: list[LogprobFormatter | None], echoes: list[str] | None = None,
-               echo_logprobs: Callable[[int, list[TokenLogprob] | None], dict | None] | None = None
-               ) -> AsyncIterator[bytes]:
+               shown: PromptLogprobs | None = None) -> AsyncIterator[bytes]:
     """The response's server-sent events; the response that sends them shuts the choices
     (`_ChoicesStream`), however it ends. With completions' echo, each choice's prompt text (and
-    its tokens' logprobs) comes in a chunk of its own before the choice's first output."""
+    its tokens' logprobs) comes in a chunk of its own before the choice's first output; the
+    logprobs are the prompt's first choice's, so a sibling's events wait for them."""
     chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
     created = now()
     completion_tokens = [0] * merged.choices
@@ -601,16 +602,35 @@ async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt
                 if body.echoed():
                     yield chunk(index, body.echoed(), None)
         echoed = [echoes is None] * merged.choices
+        found: dict[int, list[TokenLogprob]] = {}  # prompt -> its logprobs, once its first choice has them
+        held: dict[int, list[tuple[int, Event]]] = {}  # prompt -> its choices' events that came before them
+
+        def echo_chunk(index: int) -> bytes:
+            before = None
+            if formatters[index] is not None:  # the output's offsets continue from the prompt's tokens
+                before, formatters[index].text_offset = shown.echoed(index // body.n, found[index // body.n])
+            return chunk(index, echoes[index // body.n], None, shown_logprobs=before)
+
         async for index, event in merged:
-            if not echoed[index]:
-                echoed[index] = True
-                shown = await asyncio.to_thread(echo_logprobs, index, event.prompt_logprobs)
-                yield chunk(index, echoes[index // body.n], None, shown_logprobs=shown)
-            completion_tokens[index] = event.num_tokens
-            cached_tokens[index] = event.cached_tokens
-            if event.delta or event.logprobs or event.finished:
-                yield chunk(index, event.delta, event.finish_reason if event.finished else None,
-                            logprobs=event.logprobs, stop=event.stop_reason if event.finished else None)
+            ready = [(index, event)]
+            if not echoed[index] and formatters[index] is not None:
+                prompt = index // body.n
+                if event.prompt_logprobs is not None:
+                    found[prompt] = event.prompt_logprobs
+                    ready = held.pop(prompt, []) + ready
+                elif prompt not in found:
+                    held.setdefault(prompt, []).append((index, event))
+                    continue
+            for index, event in ready:
+                if not echoed[index]:
+                    echoed[index] = True
+                    # Off the event loop: a long prompt's tokens and logprobs take a second to write.
+                    yield await asyncio.to_thread(echo_chunk, index)
+                completion_tokens[index] = event.num_tokens
+                cached_tokens[index] = event.cached_tokens
+                if event.delta or event.logprobs or event.finished:
+                    yield chunk(index, event.delta, event.finish_reason if event.finished else None,
+                                logprobs=event.logprobs, stop=event.stop_reason if event.finished else None)
         if body.include_usage:
             payload = {"id": request_id, "object": chunk_kind, "created": created, "model": body.model,
                        "choices": [], "usage": usage()}

@@ -124,36 +124,61 @@ class LogprobFormatter:
                 "text_offset": offsets}
 
 
-def prompt_logprobs_json(entries: list[TokenLogprob], tokenizer, top: int) -> list[dict | None]:
-    """vLLM's `prompt_logprobs` of a response: null for the first prompt token (nothing comes
-    before it), then for each token {token id: {logprob, rank, decoded_token}} of the token
-    itself and its `top` best alternatives, in that order, each token decoded alone as vLLM
-    decodes them."""
-    decoded: dict[int, str] = {}
-
-    def item(token_id: int, logprob: float, rank: int | None) -> dict:
-        if token_id not in decoded:
-            decoded[token_id] = tokenizer.decode([token_id])
-        return {"logprob": logprob, "rank": rank, "decoded_token": decoded[token_id]}
-
-    positions: list[dict | None] = [None]
-    for e in entries:
-        position = {str(e.token_id): item(e.token_id, e.logprob, e.rank)}
-        for rank, (token_id, logprob) in enumerate(e.top[:top], 1):
-            position.setdefault(str(token_id), item(token_id, logprob, rank))
-        positions.append(position)
-    return positions
+# vLLM's stand-in for a logprob of -inf, which JSON cannot carry (`clamp_prompt_logprobs`).
+_LOWEST_LOGPROB = -9999.0
 
 
-def echoed_prompt_logprobs(tokenizer, prompt_ids: list[int], entries: list[TokenLogprob], top: int) -> dict:
-    """Completions' logprobs of an echoed prompt, which precede the output's: as vLLM gives them,
-    the first token's logprob and alternatives are null. Its special tokens are shown, as the
-    prompt shows them."""
-    first = TokenLogprob(prompt_ids[0], 0.0)
-    shown = LogprobFormatter(tokenizer, skip_special_tokens=False).completion(
-        [first] + [TokenLogprob(e.token_id, e.logprob, e.top[:top]) for e in entries])
-    shown["token_logprobs"][0] = shown["top_logprobs"][0] = None
-    return shown
+class PromptLogprobs:
+    """A request's prompts as its response shows them: vLLM's `prompt_logprobs` and completions'
+    echo with logprobs. Each prompt's are made once, whichever of its n choices asks first; they
+    are the prompt's, not a choice's."""
+
+    def __init__(self, tokenizer, prompts: list[list[int]], echo_top: int | None, shown_top: int | None):
+        """`echo_top`: the output's logprobs alternatives (None: no echo with logprobs);
+        `shown_top`: `prompt_logprobs`' (None: not shown)."""
+        self.tokenizer = tokenizer
+        self.prompts = prompts
+        self.echo_top = echo_top
+        self.shown_top = shown_top
+        self._echoed: dict[int, tuple[dict, int]] = {}  # prompt -> (its logprobs, where its text ends)
+        self._shown: dict[int, list] = {}
+        self._decoded: dict[int, str] = {}
+
+    def echoed(self, prompt: int, entries: list[TokenLogprob]) -> tuple[dict, int]:
+        """Completions' logprobs of echoed prompt `prompt`, which precede the output's, and the
+        text offset the output's continue from (a BOS the tokenizer added shows in the tokens,
+        not in the prompt's text). As vLLM gives them, the first token's logprob and
+        alternatives are null; special tokens are shown, as the prompt shows them. The lists are
+        fresh copies: a caller extends them."""
+        if prompt not in self._echoed:
+            ids, top = self.prompts[prompt], self.echo_top
+            formatter = LogprobFormatter(self.tokenizer, skip_special_tokens=False)
+            shown = formatter.completion([TokenLogprob(ids[0], 0.0)]
+                                         + [TokenLogprob(e.token_id, e.logprob, e.top[:top]) for e in entries])
+            shown["token_logprobs"][0] = shown["top_logprobs"][0] = None
+            self._echoed[prompt] = shown, formatter.text_offset
+        shown, end = self._echoed[prompt]
+        return {key: list(value) for key, value in shown.items()}, end
+
+    def shown(self, prompt: int, entries: list[TokenLogprob]) -> list[dict | None]:
+        """vLLM's `prompt_logprobs` of prompt `prompt`: null for its first token (nothing comes
+        before it), then for each token {token id: {logprob, rank, decoded_token}} of the token
+        itself and its best alternatives, each token decoded alone as vLLM decodes them. As
+        vLLM's, an alternative that is the token itself gives its entry."""
+        if prompt not in self._shown:
+            positions: list[dict | None] = [None]
+            for e in entries:
+                position = {str(e.token_id): self._item(e.token_id, e.logprob, e.rank)}
+                for rank, (token_id, logprob) in enumerate(e.top[: self.shown_top], 1):
+                    position[str(token_id)] = self._item(token_id, logprob, rank)
+                positions.append(position)
+            self._shown[prompt] = positions
+        return self._shown[prompt]
+
+    def _item(self, token_id: int, logprob: float, rank: int | None) -> dict:
+        if token_id not in self._decoded:
+            self._decoded[token_id] = self.tokenizer.decode([token_id])
+        return {"logprob": max(logprob, _LOWEST_LOGPROB), "rank": rank, "decoded_token": self._decoded[token_id]}
 
 
 def _chat_item(text: str, data: bytes, logprob: float) -> dict:

@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 from ..decode_node.working_set import plan_rows
@@ -321,8 +321,10 @@ class ClusterService:
             if self.prefix_caching:
                 m.prefix_cache_queries.inc(len(prompt_ids))
                 m.prefix_cache_hits.inc(result.cached_tokens)
+            # The decode worker has no use for the prompt's logprobs: megabytes for a long prompt.
+            handed = result if result.prompt_logprobs is None else replace(result, prompt_logprobs=None)
             stream = assignment.decode.handle.generate.options(num_returns="streaming").remote(
-                result, asdict(params), assignment.store_address, mode, budget_tokens
+                handed, asdict(params), assignment.store_address, mode, budget_tokens
             )
             decode_started = True
             # The prefill's token goes out now, while the decode worker admits the request; it

@@ -43,7 +43,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
-    rank: int | None = None  # 1 + how many tokens were more likely: prompt logprobs give it, as vLLM's
+    rank: int | None = None  # how many tokens were at least as likely (itself too): prompt logprobs give it, as vLLM's
 
 
 @dataclass
@@ -420,7 +420,9 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int, ranked: bo
         return []
     logprobs = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
     chosen = logprobs.gather(-1, torch.tensor(tokens, device=logprobs.device).unsqueeze(-1))
-    ranks = (logprobs > chosen).sum(dim=-1).add(1).tolist() if ranked else [None] * len(tokens)
+    # As vLLM counts it: the tokens at least as likely, the token itself among them (a tie ranks
+    # below its equals: bf16 logits tie often).
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist() if ranked else [None] * len(tokens)
     if top:
         values, ids = torch.topk(logprobs, top, dim=-1)
         tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

@@ -133,7 +133,7 @@ def reference_logprobs(smollm2_dir):
     return logprobs
 
 
-def test_prompt_logprobs_are_the_models_and_skip_the_prefix_cache(client, smollm2_llm, reference_logprobs):
+def test_prompt_logprobs_are_the_models_and_skip_the_prefix_cache(server, client, smollm2_llm, reference_logprobs):
     """vLLM's prompt_logprobs (refused before): for each prompt token after the first, its logprob,
     rank and the best alternatives, as transformers scores them; the prompt is computed whole even
     when a prefix cache holds it."""
@@ -157,10 +157,12 @@ def test_prompt_logprobs_are_the_models_and_skip_the_prefix_cache(client, smollm
     ranks = [position[str(ids[at])]["rank"] for at, position in enumerate(positions[1:], 1)]
     assert min(ranks) == 1 and max(ranks) > 2
     chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Hi there"}],
-                                          max_tokens=2, extra_body={"prompt_logprobs": 0})
+                                          max_tokens=2, n=2, extra_body={"prompt_logprobs": 0})
     chat_positions = chat.model_extra["prompt_logprobs"]
     assert len(chat_positions) == chat.usage.prompt_tokens and chat_positions[0] is None
     assert all(len(position) == 1 for position in chat_positions[1:])
+    refused = _post(server, "completions", {"model": DEFAULT_MODEL, "prompt": "hi", "prompt_logprobs": 1, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
 
 
 def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(client, smollm2_llm, reference_logprobs):
@@ -171,11 +173,14 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(client, smollm2
     ids = smollm2_llm.encode(prompt)
     expected = _expected(smollm2_llm, ids, 6)
     out = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True,
-                                    logprobs=1)
+                                    logprobs=1, n=2)
     choice = out.choices[0]
-    assert choice.text == prompt + expected
+    assert [c.text for c in out.choices] == [prompt + expected] * 2
+    # The prompt's, computed once: the same for both (their outputs' may differ in the last bits).
+    assert out.choices[1].logprobs.token_logprobs[: len(ids)] == choice.logprobs.token_logprobs[: len(ids)]
+    assert out.choices[1].model_extra["prompt_logprobs"] == choice.model_extra["prompt_logprobs"]
     lp = choice.logprobs
-    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == len(ids) + out.usage.completion_tokens
+    assert "".join(lp.tokens) == choice.text and len(lp.tokens) == len(ids) + out.usage.completion_tokens // 2
     assert all(choice.text[at:].startswith(token) for at, token in zip(lp.text_offset, lp.tokens))
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     reference = reference_logprobs(ids)
@@ -185,16 +190,21 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(client, smollm2
     plain = client.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=6, temperature=0, echo=True)
     assert plain.choices[0].text == smollm2_llm.tokenizer.decode(ids) + expected and plain.choices[0].logprobs is None
     stream = client.completions.create(model=DEFAULT_MODEL, prompt=[prompt, "x = "], max_tokens=6, temperature=0,
-                                       echo=True, n=2, stream=True)
-    texts = ["", "", "", ""]
-    firsts = {}
+                                       echo=True, n=2, stream=True, logprobs=0)
+    texts, tokens, offsets, firsts = ["", "", "", ""], [[], [], [], []], [[], [], [], []], {}
     for chunk in stream:
         for c in chunk.choices:
-            firsts.setdefault(c.index, c.text)
+            firsts.setdefault(c.index, (c.text, c.logprobs.token_logprobs[0]))
             texts[c.index] += c.text
-    assert firsts == {0: prompt, 1: prompt, 2: "x = ", 3: "x = "}
+            tokens[c.index] += c.logprobs.tokens
+            offsets[c.index] += c.logprobs.text_offset
+    # Each choice's prompt first, in a chunk of its own, its first token with no logprob.
+    assert firsts == {0: (prompt, None), 1: (prompt, None), 2: ("x = ", None), 3: ("x = ", None)}
     assert texts[:2] == [prompt + expected] * 2
     assert texts[2] == texts[3] == "x = " + _expected(smollm2_llm, smollm2_llm.encode("x = "), 6)
+    for text, its_tokens, its_offsets in zip(texts, tokens, offsets):
+        assert "".join(its_tokens) == text
+        assert all(text[at:].startswith(token) for at, token in zip(its_offsets, its_tokens))
 
 
 def test_truncate_prompt_tokens_serves_the_prompts_end(client, smollm2_llm):

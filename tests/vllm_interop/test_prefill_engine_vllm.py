@@ -160,7 +160,7 @@ def test_prompt_logprobs_and_echo_through_a_vllm_prefill_are_the_models(client, 
     positions = out.choices[0].model_extra["prompt_logprobs"]
     assert len(positions) == len(ids) and positions[0] is None
     chosen = logprobs[:-1].gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
-    ranks = ((logprobs[:-1] > chosen.unsqueeze(-1)).sum(dim=-1) + 1).tolist()
+    ranks = (logprobs[:-1] >= chosen.unsqueeze(-1)).sum(dim=-1).tolist()
     served = [position[str(token)] for position, token in zip(positions[1:], ids[1:])]
     assert max(abs(item["logprob"] - ref) for item, ref in zip(served, chosen.tolist())) < 1e-3
     assert sum(item["rank"] == rank for item, rank in zip(served, ranks)) > 0.97 * len(served)

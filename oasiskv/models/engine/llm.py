@@ -137,7 +137,8 @@ class LLM:
         params = params or SamplingParams()
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs are computed by the cluster's prefill (oasiskv serve, "
-                             "prefill_node.Prefiller), not by LLM")
+                             "prefill_node.Prefiller), not by LLM.generate; LLM.prompt_logprobs(prompt) gives "
+                             "the whole [tokens, vocab] tensor")
         ids = self.encode(prompt)
         if params.bad_words and not params.bad_words_token_ids:  # a copy: the caller's may serve other prompts
             params = dataclasses.replace(params, bad_words_token_ids=tokenize_bad_words(
