@@ -43,7 +43,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
-    rank: int | None = None  # how many tokens were at least as likely (itself too): prompt logprobs give it, as vLLM's
+    # How many tokens were at least as likely, itself too: prompt logprobs give it, as vLLM's.
+    rank: int | None = None
 
 
 @dataclass
@@ -144,9 +145,9 @@ class SamplingParams:
             raise ValueError(f"bad_words must be a list of strings, got {self.bad_words!r}")
         if any(not w.strip() for w in self.bad_words):
             raise ValueError("bad_words entries must contain text other than spaces")
+        self.bad_words = list(dict.fromkeys(self.bad_words))  # as vLLM, a word given twice counts once
         if len(self.bad_words) > MAX_BAD_WORD_SEQUENCES:  # each makes one sequence at least
             raise ValueError(f"bad_words may name at most {MAX_BAD_WORD_SEQUENCES} words, got {len(self.bad_words)}")
-        self.bad_words = list(dict.fromkeys(self.bad_words))
         if self.bad_words_token_ids is None:
             self.bad_words_token_ids = []
         if not isinstance(self.bad_words_token_ids, (list, tuple)) or not all(

@@ -385,6 +385,7 @@ def test_bad_words_need_their_sequences_of_known_ids_before_an_engine_takes_them
     from oasiskv.models.sampling import require_known_tokens
 
     assert SamplingParams(bad_words=["a", "a"]).bad_words == ["a"]
+    assert len(SamplingParams(bad_words=["a"] * 200).bad_words) == 1  # the limit counts distinct words
     with pytest.raises(ValueError, match="bad_words were given without their token sequences"):
         require_known_tokens(SamplingParams(bad_words=["fox"]), 100)
     with pytest.raises(ValueError, match=r"bad_words token ids must be in \[0, 100\), got \[100\]"):
