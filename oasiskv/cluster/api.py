@@ -256,6 +256,8 @@ def _error(exc: ApiError) -> JSONResponse:
 
 def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if getattr(body, "echo_only", False):
+        max_tokens = 1  # as vLLM: one token is made, and only the prompt shown
     if prompt_tokens == 0:
         raise ApiError(400, "the prompt is empty", "invalid_request_error", "prompt")
     room = max_model_len - prompt_tokens
@@ -409,10 +411,10 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
             entries = outcomes[prompt * body.n].prompt_logprobs or []  # its first choice's
             text, logprobs = outcome.text, None
             if echoes is not None:
-                text = echoes[prompt] + text
+                text = echoes[prompt] + ("" if body.echo_only else text)
             if formatter is not None and echoes is not None:
                 before, formatter.text_offset = shown.echoed(prompt, entries)
-                after = formatter.completion(outcome.logprobs)
+                after = formatter.completion([] if body.echo_only else outcome.logprobs)
                 logprobs = {key: before[key] + after[key] for key in after}
             elif formatter is not None:
                 logprobs = formatter.completion(outcome.logprobs)
@@ -628,6 +630,8 @@ async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt
                     yield await asyncio.to_thread(echo_chunk, index)
                 completion_tokens[index] = event.num_tokens
                 cached_tokens[index] = event.cached_tokens
+                if echoes is not None and body.echo_only:  # the prompt alone: only the end is told
+                    event = dataclasses.replace(event, delta="", logprobs=[])
                 if event.delta or event.logprobs or event.finished:
                     yield chunk(index, event.delta, event.finish_reason if event.finished else None,
                                 logprobs=event.logprobs, stop=event.stop_reason if event.finished else None)

@@ -190,6 +190,7 @@ def _token_ids_are_integers(value):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]  # ids checked by _token_ids_are_integers
+    max_tokens: int | None = Field(None, ge=0)  # 0: with echo, the prompt alone (a prompt's score)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -203,6 +204,12 @@ class CompletionRequest(_SamplingFields):
         if self.logprobs is None or self.logprobs is False:
             return None
         return int(self.logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        """vLLM's echo with max_tokens 0: the prompt alone (and its logprobs), as a client that
+        scores texts asks; one token is made and not shown."""
+        return bool(self.echo) and self.max_tokens == 0
 
     def prompt_logprobs_requested(self) -> int | None:
         """An echoed prompt's tokens get logprobs as the output's do (vLLM's echo with logprobs):
@@ -224,6 +231,8 @@ class CompletionRequest(_SamplingFields):
         if prompts * self.n > MAX_CHOICES_PER_REQUEST:
             raise UnsupportedFeature(f"{prompts} prompts x n {self.n} is over {MAX_CHOICES_PER_REQUEST} choices a "
                                      "request; send them in several requests")
+        if self.max_tokens == 0 and not self.echo:
+            raise UnsupportedFeature("max_tokens must be at least 1 (0 only with echo: the prompt alone)")
         if self.best_of not in (None, 1):
             raise UnsupportedFeature("best_of is not supported")
         if self.suffix:

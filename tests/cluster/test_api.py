@@ -165,7 +165,7 @@ def test_prompt_logprobs_are_the_models_and_skip_the_prefix_cache(server, client
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
 
 
-def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(client, smollm2_llm, reference_logprobs):
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(server, client, smollm2_llm, reference_logprobs):
     """Completions' echo (refused before), as vLLM gives it: the prompt's text, then the output;
     with logprobs, the prompt's tokens first, the first with none. Streamed, the prompt comes
     first."""
@@ -189,6 +189,15 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(client, smollm2
     assert all(len(top) >= 1 for top in lp.top_logprobs[1:])
     plain = client.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=6, temperature=0, echo=True)
     assert plain.choices[0].text == smollm2_llm.tokenizer.decode(ids) + expected and plain.choices[0].logprobs is None
+    # max_tokens 0: the prompt alone and its logprobs, as a client that scores texts asks (vLLM's).
+    scored = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    assert scored.choices[0].text == prompt and scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+    streamed = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=0, echo=True, stream=True)
+    chunks = [c for chunk in streamed for c in chunk.choices]
+    assert "".join(c.text for c in chunks) == prompt and chunks[-1].finish_reason == "length"
+    refused = _post(server, "completions", {"model": DEFAULT_MODEL, "prompt": prompt, "max_tokens": 0})
+    assert refused.status_code == 400 and "max_tokens must be at least 1" in refused.json()["error"]["message"]
     stream = client.completions.create(model=DEFAULT_MODEL, prompt=[prompt, "x = "], max_tokens=6, temperature=0,
                                        echo=True, n=2, stream=True, logprobs=0)
     texts, tokens, offsets, firsts = ["", "", "", ""], [[], [], [], []], [[], [], [], []], {}

@@ -6,6 +6,7 @@ its engine is broken is restarted, once per breakage."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import torch
@@ -178,3 +179,60 @@ def test_each_stores_own_series_are_exported_with_its_name():
     assert text.count("# TYPE oasiskv_kvstore_requests_events_total counter") == 1
     metrics.store_stats = {"store-0": {"used_bytes": 0, "capacity_bytes": 1}}  # a store polled before it had any
     assert value("oasiskv_kvstore_requests_events_total", {"store": "store-0", "event": "freed"}) is None
+
+
+def test_stopping_the_poll_survives_a_cancel_that_is_lost():
+    """Python 3.11's asyncio.wait_for returns a worker's answer that arrives with a cancel, and
+    drops the cancel: the poll went on, and serve's shutdown waited on it for good (CI's second
+    Ctrl-C test hung there). Here the first poll call drops the cancel; stopping still ends it."""
+
+    async def run() -> float:
+        service, *_ = make_service()
+        entered = asyncio.Event()
+        dropped = []
+
+        async def poll_dropping_a_cancel(slot, method, group=None):
+            entered.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if dropped:
+                    raise
+                dropped.append(slot.name)  # what wait_for does when the answer came with the cancel
+            return None
+
+        service._poll = poll_dropping_a_cancel
+        service.start_polling(interval_s=0.01)
+        await entered.wait()
+        started = time.monotonic()
+        await asyncio.wait_for(service.stop_polling(), timeout=8)
+        assert dropped  # the first cancel was lost, as in CI
+        return time.monotonic() - started
+
+    assert asyncio.run(run()) < 3
+
+
+def test_a_poll_that_will_not_stop_is_left_behind_after_the_timeout(caplog):
+    async def run() -> float:
+        service, *_ = make_service()
+        released = False
+
+        async def poll_that_will_not_stop(slot, method, group=None):
+            while not released:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.sleep(0.05)
+
+        service._poll = poll_that_will_not_stop
+        service.start_polling()
+        poller = service._poller
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await service.stop_polling(timeout_s=1.0)
+        took = time.monotonic() - started
+        released = True  # this test's own end: asyncio.run waits for its tasks
+        poller.cancel()
+        await asyncio.wait({poller}, timeout=5)
+        return took
+
+    assert 0.9 < asyncio.run(run()) < 3
+    assert "the health poll did not stop within 1 s" in caplog.text
