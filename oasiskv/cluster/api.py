@@ -30,8 +30,9 @@ from ..models.sampling import (
     stream_seed,
     tokenize_bad_words,
 )
+from ..models.structured_output import COMPILE_LIMIT_S, compile_spec
 from ..prefill_node.vllm_worker import vllm_prefill_refusal
-from .logprobs import LogprobFormatter, PromptLogprobs
+from .logprobs import EchoLogprobsGate, LogprobFormatter, PromptLogprobs
 from .protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,7 +44,7 @@ from .protocol import (
     now,
 )
 from .router import Overloaded, TooLarge
-from .service import ClusterService, Event, ShuttingDown
+from .service import ClusterService, ShuttingDown
 
 log = logging.getLogger("oasiskv.api")
 
@@ -290,9 +291,23 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
                               frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
                               min_p=body.min_p, min_tokens=body.min_tokens, logit_bias=body.logit_bias,
                               allowed_token_ids=body.allowed_token_ids, bad_words=body.bad_words,
-                              prompt_logprobs=body.prompt_logprobs_requested())
+                              prompt_logprobs=body.prompt_logprobs_requested(),
+                              structured_outputs=body.structured_outputs_requested())
     except (ValueError, ValidationError) as exc:
         raise ApiError(400, str(exc), "invalid_request_error", _field_named(str(exc), body)) from exc
+
+
+async def _require_compilable(service: ClusterService, spec: dict, field: str) -> None:
+    """A spec that takes too long to compile is refused here, before a worker spends the time
+    (off the event loop; one that runs over goes on in its thread, and its result is dropped)."""
+    try:
+        await asyncio.wait_for(asyncio.to_thread(compile_spec, spec, service.tokenizer, service.tokenizer.vocab_size),
+                               COMPILE_LIMIT_S)
+    except (TimeoutError, asyncio.TimeoutError):
+        raise ApiError(400, f"{field} takes over {COMPILE_LIMIT_S:g} s to compile; make its bounds (maxLength, "
+                            "minItems, {m,n} counts) smaller", "invalid_request_error", field) from None
+    except ValueError as exc:
+        raise ApiError(400, f"{field} {exc}", "invalid_request_error", field) from exc
 
 
 def _field_named(message: str, body) -> str | None:
@@ -326,6 +341,8 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
         require_known_stop_tokens(params, service.tokenizer.vocab_size)
     except ValueError as exc:
         raise ApiError(400, str(exc), "invalid_request_error", "stop_token_ids") from exc
+    if params.structured_outputs is not None:
+        await _require_compilable(service, params.structured_outputs, body.structured_outputs_field())
     try:
         require_known_bias_tokens(params, service.tokenizer.vocab_size)
     except ValueError as exc:
@@ -418,16 +435,15 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
                 logprobs = {key: before[key] + after[key] for key in after}
             elif formatter is not None:
                 logprobs = formatter.completion(outcome.logprobs)
-            choice = {**common, "text": text, "logprobs": logprobs}
-            if shown is not None:  # as vLLM: each choice its prompt's
-                choice["prompt_logprobs"] = shown.shown(prompt, entries)
-            choices.append(choice)
+            # As vLLM: each choice its prompt's, or null.
+            choices.append({**common, "text": text, "logprobs": logprobs,
+                            "prompt_logprobs": None if shown is None else shown.shown(prompt, entries)})
         usage = _usage(prompt_tokens, sum(outcome.num_tokens for outcome in outcomes),
                        _cached_prompt_tokens([outcome.cached_tokens for outcome in outcomes], body.n))
         answer = {"id": request_id, "object": kind, "created": now(), "model": body.model, "choices": choices,
                   "usage": usage}
-        if shown is not None and kind == "chat.completion":  # as vLLM: the response's, of its one prompt
-            answer["prompt_logprobs"] = shown.shown(0, outcomes[0].prompt_logprobs or [])
+        if kind == "chat.completion":  # as vLLM: the response's, of its one prompt, or null
+            answer["prompt_logprobs"] = None if shown is None else shown.shown(0, outcomes[0].prompt_logprobs or [])
         return answer
 
     if shown is None:
@@ -604,26 +620,16 @@ async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt
                 if body.echoed():
                     yield chunk(index, body.echoed(), None)
         echoed = [echoes is None] * merged.choices
-        found: dict[int, list[TokenLogprob]] = {}  # prompt -> its logprobs, once its first choice has them
-        held: dict[int, list[tuple[int, Event]]] = {}  # prompt -> its choices' events that came before them
+        gate = EchoLogprobsGate([not done and f is not None for done, f in zip(echoed, formatters)], body.n)
 
         def echo_chunk(index: int) -> bytes:
             before = None
             if formatters[index] is not None:  # the output's offsets continue from the prompt's tokens
-                before, formatters[index].text_offset = shown.echoed(index // body.n, found[index // body.n])
+                before, formatters[index].text_offset = shown.echoed(index // body.n, gate.found[index // body.n])
             return chunk(index, echoes[index // body.n], None, shown_logprobs=before)
 
-        async for index, event in merged:
-            ready = [(index, event)]
-            if not echoed[index] and formatters[index] is not None:
-                prompt = index // body.n
-                if event.prompt_logprobs is not None:
-                    found[prompt] = event.prompt_logprobs
-                    ready = held.pop(prompt, []) + ready
-                elif prompt not in found:
-                    held.setdefault(prompt, []).append((index, event))
-                    continue
-            for index, event in ready:
+        async for arrived in merged:
+            for index, event in gate.passed(*arrived):
                 if not echoed[index]:
                     echoed[index] = True
                     # Off the event loop: a long prompt's tokens and logprobs take a second to write.

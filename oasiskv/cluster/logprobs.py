@@ -128,6 +128,34 @@ class LogprobFormatter:
 _LOWEST_LOGPROB = -9999.0
 
 
+class EchoLogprobsGate:
+    """A stream's order under echo with logprobs: a choice's echo chunk shows its prompt's
+    logprobs, which only the prompt's first choice computes (`PromptLogprobs`), so a sibling's
+    events that come before them wait here, in the order they came."""
+
+    def __init__(self, waiting: list[bool], n: int):
+        """`waiting[i]`: choice i echoes its prompt with logprobs; `n`: choices per prompt."""
+        self._waiting = list(waiting)
+        self._n = n
+        self.found: dict[int, list[TokenLogprob]] = {}  # prompt -> its logprobs, once they came
+        self._held: dict[int, list] = {}  # prompt -> its choices' (index, event)s that came before them
+
+    def passed(self, index: int, event) -> list:
+        """The (choice index, event)s that may be written now that choice `index` gave `event`."""
+        if not self._waiting[index]:
+            return [(index, event)]
+        prompt = index // self._n
+        if event.prompt_logprobs is not None:
+            self.found[prompt] = event.prompt_logprobs
+        if prompt not in self.found:
+            self._held.setdefault(prompt, []).append((index, event))
+            return []
+        ready = self._held.pop(prompt, []) + [(index, event)]
+        for choice, _ in ready:
+            self._waiting[choice] = False
+        return ready
+
+
 class PromptLogprobs:
     """A request's prompts as its response shows them: vLLM's `prompt_logprobs` and completions'
     echo with logprobs. Each prompt's are made once, whichever of its n choices asks first; they

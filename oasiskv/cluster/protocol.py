@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..models.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
+from ..models.structured_output import check_spec
 from ..models.tokenizer import require_unicode
 
 Mode = Literal["dense", "sparse-current", "lookahead"]
@@ -47,8 +48,14 @@ def _integer_ids(field: str):
     return field_validator(field, mode="before")(check)
 
 
-_UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty",
-                            "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+_UNSUPPORTED_VLLM_FIELDS = ("use_beam_search", "length_penalty")
+
+# vLLM's older names for structured_outputs' kinds (before 0.11), still sent by older clients.
+_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# structured_outputs' options besides its kinds: refused when set (output that ignored them would
+# not be what was asked).
+_STRUCTURED_OPTIONS = {"disable_any_whitespace": False, "disable_additional_properties": False,
+                       "whitespace_pattern": None, "structural_tag": None}
 
 
 class _Lenient(BaseModel):
@@ -103,12 +110,14 @@ class _SamplingFields(_Lenient):
     # request that sets one expects it to take effect (they were ignored, and the output differed).
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    structured_outputs: dict | None = None  # vLLM 0.32's name for what guided_* did
+    # vLLM's structured output: {"json": schema}, {"json_object": true}, {"regex": ...},
+    # {"choice": [...]} or {"grammar": EBNF}; guided_* are its older names, and OpenAI's
+    # response_format (json_object, json_schema) overrides it, as in vLLM.
+    structured_outputs: dict | None = None
     guided_json: str | dict | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # Refused unless free text: a client that asks for JSON must not get free text.
     response_format: dict | None = None
     # OasisKV extensions: how this request is decoded.
     oasiskv_mode: Mode | None = None
@@ -127,15 +136,43 @@ class _SamplingFields(_Lenient):
             raise UnsupportedFeature(f"n must be in [1, {MAX_CHOICES}], got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFeature("stream_options is only allowed with stream: true")
-        if self.prompt_logprobs is not None and self.stream:  # as vLLM: a stream has no place for them
+        if self.prompt_logprobs and self.stream:  # as vLLM: a stream has no place for them (0 asks for none)
             raise UnsupportedFeature("prompt_logprobs are not available with stream: true")
         for name in _UNSUPPORTED_VLLM_FIELDS:
             if getattr(self, name) not in (type(self).model_fields[name].default, [], {}):
-                raise UnsupportedFeature(f"{name} is not supported (free text only)" if name == "structured_outputs"
-                                         else f"{name} is not supported")
+                raise UnsupportedFeature(f"{name} is not supported")
+        for name, default in _STRUCTURED_OPTIONS.items():
+            if (self.structured_outputs or {}).get(name, default) != default:
+                raise UnsupportedFeature(f"structured_outputs {name} is not supported")
         kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise UnsupportedFeature(f"response_format {kind!r} is not supported (free text only)")
+        if kind not in ("text", "json_object", "json_schema"):
+            raise UnsupportedFeature(f"response_format {kind!r} is not supported (text, json_object or json_schema)")
+
+    def structured_outputs_requested(self) -> dict | None:
+        """The structured output asked for, as one spec (`SamplingParams.structured_outputs`, which
+        checks it): structured_outputs or the guided_* fields, with response_format's kind over
+        them, as vLLM merges them. None: free text."""
+        spec = {key: value for key, value in (self.structured_outputs or {}).items()
+                if key not in _STRUCTURED_OPTIONS}
+        for name, kind in _GUIDED_FIELDS.items():
+            if getattr(self, name) is not None:
+                spec[kind] = getattr(self, name)
+        response_format = self.response_format or {}
+        if response_format.get("type") == "json_object":
+            spec["json_object"] = True
+        elif response_format.get("type") == "json_schema":
+            described = response_format.get("json_schema")
+            if not isinstance(described, dict) or not isinstance(described.get("schema"), dict):
+                raise ValueError("response_format json_schema must be an object with the schema under 'schema', "
+                                 f"got {described!r}")
+            spec["json"] = described["schema"]
+        return check_spec(spec, self.structured_outputs_field()) if spec else None
+
+    def structured_outputs_field(self) -> str:
+        """The field the client asked for structured output with, which a refusal names."""
+        if (self.response_format or {}).get("type") in ("json_object", "json_schema"):
+            return "response_format"
+        return next((name for name in _GUIDED_FIELDS if getattr(self, name) is not None), "structured_outputs")
 
     _stop_text = field_validator("stop")(_encodable)
     _bad_words_text = field_validator("bad_words")(_encodable)
@@ -151,8 +188,8 @@ class _SamplingFields(_Lenient):
 
     def prompt_logprobs_requested(self) -> int | None:
         """How many alternatives each prompt token's logprobs list; None: none (SamplingParams
-        checks the range)."""
-        return self.prompt_logprobs
+        checks the range). A stream shows none: vLLM takes 0 there, and shows nothing."""
+        return None if self.stream else self.prompt_logprobs
 
     @field_validator("truncate_prompt_tokens", mode="before")
     @classmethod
@@ -215,9 +252,10 @@ class CompletionRequest(_SamplingFields):
         """An echoed prompt's tokens get logprobs as the output's do (vLLM's echo with logprobs):
         as many alternatives as either field asks, each cut to its own when shown."""
         echoed = self.logprobs_requested() if self.echo else None
-        if echoed is None or self.prompt_logprobs is None:
-            return self.prompt_logprobs if echoed is None else echoed
-        return max(echoed, self.prompt_logprobs)
+        shown = super().prompt_logprobs_requested()
+        if echoed is None or shown is None:
+            return shown if echoed is None else echoed
+        return max(echoed, shown)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, one or several (strings or token id lists), as vLLM reads the field."""

@@ -35,6 +35,7 @@ from ..models.sampling import (
     stream_seed,
     token_logprobs,
 )
+from ..models.structured_output import GrammarState
 from ..models.transformer import DecoderModel
 from .attention import SparseAttention, StepRequest
 from .config import DecodeConfig
@@ -99,6 +100,7 @@ class DecodeRequest:
     ws: WorkingSet | None = None
     summaries: SummaryPages | None = None
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None  # its structured output's matcher
     text: str = ""
     finish_reason: str | None = None
     write_backs: list[WriteBack] = field(default_factory=list)
@@ -210,6 +212,10 @@ class DecodeEngine:
         req = DecodeRequest(prefill.request_id, list(prefill.prompt_ids), params, [prefill.first_token],
                             prefill.initial_selection, num_kv=len(prefill.prompt_ids), mode=mode,
                             summary_kind=prefill.layout.summary_kind, plan=plan)
+        # Built from the output so far: the prefill's first token was chosen under the same spec.
+        req.grammar = GrammarState.for_params(params, self.tokenizer, self.model.config.vocab_size)
+        if req.grammar is not None:
+            req.grammar.sync(req.output_ids)
         if not params.greedy:
             req.generator = make_generator(None if params.seed is None else stream_seed(params.seed, "verify"))
         self.waiting.append(req)
@@ -412,8 +418,13 @@ class DecodeEngine:
                 continue
             chosen_from = logits[start : start + rows]
             if req.params.processed:
-                chosen_from = process_logits(chosen_from, req.params, req.prompt_ids, req.output_ids, draft.tokens,
-                                             self.eos_token_ids)
+                try:
+                    chosen_from = process_logits(chosen_from, req.params, req.prompt_ids, req.output_ids, draft.tokens,
+                                                 self.eos_token_ids, req.grammar)
+                except ValueError as error:  # an output its structured output refuses: it ends alone
+                    start += rows
+                    outputs.append(self._fail(req, "its structured output could not go on", error))
+                    continue
             emitted = verify(chosen_from, draft, req.params, req.generator)
             # Emitted token i was chosen from row i (the last one the correction or bonus).
             logprobs = (None if req.params.logprobs is None
@@ -607,8 +618,8 @@ class DecodeEngine:
         return not (self.quarantine or self._queued_frees)
 
     def _fail(self, req: DecodeRequest, what: str, error: BaseException) -> DecodeOutput:
-        """End one request that its store failed (a read, an extend or a write-back it needs),
-        alone: the rest of the batch goes on. It keeps what it has emitted; its caller gets the
+        """End one request that its store failed (a read, an extend or a write-back it needs), or
+        whose structured output could not go on, alone: the rest of the batch goes on. It keeps what it has emitted; its caller gets the
         error instead of a finish."""
         log.warning("request %s: %s: %s", req.request_id, what, error)
         req.failure = error

@@ -11,8 +11,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tokenizers import normalizers
+
 from .chat_templates import FALLBACK_CHAT_TEMPLATES
 from .errors import UnsupportedGGUFError
+
+# Qwen2's own tokenizer NFC-normalizes its input (Qwen2Tokenizer, and the normalizer of the
+# model's tokenizer.json); transformers' GGUF reader leaves it out. Without it "e" + U+0301 was two
+# tokens here and one in vLLM, which loads the converted directory as a Qwen2Tokenizer.
+_NFC_ARCHITECTURES = {"qwen2"}
 
 
 def export_tokenizer(gguf_file: Path, out_dir: Path, metadata: dict) -> dict:
@@ -29,8 +36,10 @@ def export_tokenizer(gguf_file: Path, out_dir: Path, metadata: dict) -> dict:
     finally:
         transformers.logging.set_verbosity(verbosity)
 
-    tok.backend_tokenizer.save(str(out_dir / "tokenizer.json"))
     arch = metadata.get("general.architecture")
+    if arch in _NFC_ARCHITECTURES and tok.backend_tokenizer.normalizer is None:
+        tok.backend_tokenizer.normalizer = normalizers.NFC()
+    tok.backend_tokenizer.save(str(out_dir / "tokenizer.json"))
     template = metadata.get("tokenizer.chat_template") or tok.chat_template or FALLBACK_CHAT_TEMPLATES.get(arch)
     probe = tok("x").input_ids  # whatever tokenizer.json's post-processor does is the truth
     config = {

@@ -29,7 +29,7 @@ from .errors import ModelError
 ENV_VAR = "OASISKV_CACHE"
 _TMP_PREFIX = ".tmp-"
 # Bump when the conversion's output changes, so cached model directories are rebuilt.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2  # 2: Qwen2's tokenizer.json normalizes NFC
 SOURCE_FILE = "oasiskv_source.json"  # written last into a converted directory
 
 

@@ -1,6 +1,6 @@
 """Sampling parameters and the sampler (greedy, temperature, min-p, top-k, top-p, per-request
 seeds), and the logits processing before it (allowed_token_ids, bad_words, min_tokens,
-logit_bias, penalties)."""
+logit_bias, penalties, and a structured output's limit)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from .structured_output import GrammarState, apply_bitmask, check_spec
 
 # A seed is a signed 64-bit integer (OpenAI's and vLLM's range); the engines derive further
 # generators from it (`stream_seed`).
@@ -87,6 +89,9 @@ class SamplingParams:
     # fill them in, and an engine given words without them refuses the request.
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # vLLM's structured_outputs: the output follows a spec, e.g. {"json": schema} or {"regex": ...}
+    # (`structured_output.check_spec`). The engines limit each step to the tokens it allows.
+    structured_outputs: dict | None = None
 
     def __post_init__(self):
         if self.stop is None:  # vLLM's default
@@ -157,6 +162,8 @@ class SamplingParams:
         if self.bad_words_token_ids and not self.bad_words:
             raise ValueError("bad_words_token_ids are made from bad_words (tokenize_bad_words): give the words too")
         self.bad_words_token_ids = [[int(t) for t in ids] for ids in self.bad_words_token_ids]
+        if self.structured_outputs is not None:
+            self.structured_outputs = check_spec(self.structured_outputs)
 
     @property
     def greedy(self) -> bool:
@@ -170,7 +177,7 @@ class SamplingParams:
     def processed(self) -> bool:
         """Whether the logits are changed before sampling (`process_logits`)."""
         return (self.penalized or bool(self.logit_bias) or self.min_tokens > 0 or self.allowed_token_ids is not None
-                or bool(self.bad_words))
+                or bool(self.bad_words) or self.structured_outputs is not None)
 
 
 def tokenize_bad_words(bad_words: list[str], encode: Callable[[str], list[int]]) -> list[list[int]]:
@@ -292,13 +299,14 @@ def _token_id(key) -> int | None:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int],
-                   drafts: list[int] = (), eos_token_ids=()) -> torch.Tensor:
+                   drafts: list[int] = (), eos_token_ids=(), grammar: GrammarState | None = None) -> torch.Tensor:
     """The logits the request samples from, rows [1 + len(drafts), V]: row i is output position
     len(output_ids) + i and follows the output and drafts[:i] (a speculative step verifies several
     positions at once). In vLLM's order: allowed_token_ids, bad_words and min_tokens (bans, which
-    commute), logit_bias, then the penalties. A new fp32 tensor; the raw logits stay for the
+    commute), logit_bias, the penalties, then `grammar`'s limit (structured_outputs; vLLM applies it
+    first, and a ban commutes with the rest). A new fp32 tensor; the raw logits stay for the
     logprobs, which are vLLM's raw ones."""
-    logits = logits.float().clone()
+    raw, logits = logits, logits.float().clone()
     if params.allowed_token_ids is not None:
         allowed = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)] = True
@@ -314,7 +322,26 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
         logits[:, ids] += torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=logits.device)
     if params.penalized:
         logits = apply_penalties(logits, params, prompt_ids, output_ids, drafts)
+    if grammar is not None:
+        _limit_to_grammar(logits, raw, grammar, output_ids, drafts)
     return logits
+
+
+def _limit_to_grammar(logits: torch.Tensor, raw: torch.Tensor, grammar: GrammarState, output_ids: list[int],
+                      drafts: list[int]) -> None:
+    """The structured output's limit, last, in place. A row that the other bans together with it
+    would leave without a token takes the limit alone on its raw logits: the output keeps to the
+    spec (sampling from no token failed the whole decode step)."""
+    bitmask = grammar.next_token_bitmask(output_ids, list(drafts[: logits.shape[0] - 1]), logits.shape[0])
+    if bitmask is None:
+        return
+    apply_bitmask(logits, bitmask)
+    empty = ~torch.isfinite(logits).any(dim=-1)
+    if empty.any():
+        rows = empty.nonzero().flatten()
+        alone = raw[rows].float().clone()
+        apply_bitmask(alone, bitmask[rows.cpu()])
+        logits[rows] = alone
 
 
 def _ban_bad_words(logits: torch.Tensor, sequences: list[list[int]], generated: list[int], base: int,
@@ -332,8 +359,13 @@ def _ban_bad_words(logits: torch.Tensor, sequences: list[list[int]], generated: 
         tokens = [ids[-1] for ids in sequences if len(ids) - 1 <= end and generated[end - len(ids) + 1 : end] == ids[:-1]]
         if not tokens:
             continue
-        banned = logits[i].index_fill(0, torch.tensor(tokens, dtype=torch.long, device=logits.device), float("-inf"))
-        if not keep_one or torch.isfinite(banned).any():
+        ids = torch.tensor(tokens, dtype=torch.long, device=logits.device)
+        if not keep_one:
+            # One-token words ban at every step: no vocabulary-sized copy on the decode path.
+            logits[i].index_fill_(0, ids, float("-inf"))
+            continue
+        banned = logits[i].index_fill(0, ids, float("-inf"))
+        if torch.isfinite(banned).any():
             logits[i] = banned
 
 

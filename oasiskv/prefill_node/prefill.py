@@ -27,6 +27,7 @@ from ..models.sampling import (
     sample,
     token_logprobs,
 )
+from ..models.structured_output import GrammarState
 from ..models.transformer import DecoderModel
 from .cancellation import raise_if
 from .prefix_cache import PrefixCache
@@ -111,6 +112,7 @@ class Prefiller:
         # What min_tokens keeps the first token from being: the EOS ids the decode node stops on
         # (with no tokenizer, the model's alone).
         self.eos_token_ids = request_eos_ids(model.config, tokenizer)
+        self.tokenizer = tokenizer  # a structured output's vocabulary
 
     @torch.inference_mode()
     def prefill(
@@ -176,8 +178,9 @@ class Prefiller:
                     prompt_logprobs += self._prompt_logprobs(hidden, prompt_ids[start + 1 : end + 1], params.prompt_logprobs)
             logits = model.compute_logits(hidden[-1:]).cpu()  # sampled with a CPU generator, as the decode node does
             generator = None if params.greedy else make_generator(params.seed)
-            chosen_from = (process_logits(logits, params, prompt_ids, [], eos_token_ids=self.eos_token_ids)
-                           if params.processed else logits)
+            grammar = GrammarState.for_params(params, self.tokenizer, model.config.vocab_size)
+            chosen_from = (process_logits(logits, params, prompt_ids, [], eos_token_ids=self.eos_token_ids,
+                                          grammar=grammar) if params.processed else logits)
             first = sample(chosen_from, [params], [generator])[0]
             first_logprob = None if params.logprobs is None else token_logprobs(logits, [first], params.logprobs)[0]
             for handle in handles:

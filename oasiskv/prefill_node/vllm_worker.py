@@ -100,6 +100,7 @@ def vllm_engine_args(model_dir: str, dtype: str, block_size: int, chunk_tokens: 
 
 def to_vllm_sampling(params: SamplingParams, request_id: str, store_address: str):
     from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
     from .vllm_connector import REQUEST_ID_PARAM, STORE_PARAM
 
@@ -118,6 +119,9 @@ def to_vllm_sampling(params: SamplingParams, request_id: str, store_address: str
         allowed_token_ids=params.allowed_token_ids,
         bad_words=params.bad_words or None,  # tokenized by vLLM as by the API: the same sequences
         prompt_logprobs=params.prompt_logprobs,
+        # The same spec, compiled by vLLM's own xgrammar: its first token keeps to it too.
+        structured_outputs=(None if params.structured_outputs is None
+                            else StructuredOutputsParams(**params.structured_outputs)),
         extra_args={"kv_transfer_params": {REQUEST_ID_PARAM: request_id, STORE_PARAM: store_address}},
         **_first_token_min_tokens(params),
     )

@@ -163,6 +163,16 @@ def test_prompt_logprobs_are_the_models_and_skip_the_prefix_cache(server, client
     assert all(len(position) == 1 for position in chat_positions[1:])
     refused = _post(server, "completions", {"model": DEFAULT_MODEL, "prompt": "hi", "prompt_logprobs": 1, "stream": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+    # As vLLM: 0 asks a stream for nothing, and is taken; a response without them says null.
+    streamed = client.completions.create(model=DEFAULT_MODEL, prompt="hi", max_tokens=2, stream=True,
+                                         extra_body={"prompt_logprobs": 0})
+    shown = [c.model_extra.get("prompt_logprobs") for chunk in streamed for c in chunk.choices]
+    assert shown and all(value is None for value in shown)
+    plain = client.completions.create(model=DEFAULT_MODEL, prompt="hi", max_tokens=1)
+    assert "prompt_logprobs" in plain.choices[0].model_extra and plain.choices[0].model_extra["prompt_logprobs"] is None
+    plain_chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                max_tokens=1)
+    assert "prompt_logprobs" in plain_chat.model_extra and plain_chat.model_extra["prompt_logprobs"] is None
 
 
 def test_echo_puts_the_prompt_and_its_logprobs_before_the_output(server, client, smollm2_llm, reference_logprobs):
@@ -540,7 +550,13 @@ def _post(server, path: str, body: dict) -> httpx.Response:
         # vLLM options not implemented here: refused, not ignored (the output would differ).
         ({"model": DEFAULT_MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty must be in [-2, 2]"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty must be in (0, 2]"),
-        ({"model": DEFAULT_MODEL, "prompt": "hi", "guided_choice": ["a", "b"]}, 400, "guided_choice"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "guided_regex": "(a"}, 400, "guided_regex regex is not valid"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "structured_outputs": {"choice": ["a"], "regex": "a"}}, 400,
+         "structured_outputs must name exactly one of json, json_object, regex, choice, grammar, got ['choice', 'regex']"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "structured_outputs": {"choice": ["a"], "structural_tag": "{}"}},
+         400, "structured_outputs structural_tag is not supported"),
+        ({"model": DEFAULT_MODEL, "prompt": "hi", "structured_outputs": {"json": {"type": "nonsense"}}}, 400,
+         'structured_outputs json is not valid: Unsupported type "nonsense"'),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "truncate_prompt_tokens": True}, 400,
          "truncate_prompt_tokens must be an integer >= 1 or -1, got True"),
         ({"model": DEFAULT_MODEL, "prompt": "hi", "truncate_prompt_tokens": 0}, 400,
@@ -582,7 +598,9 @@ def test_bad_requests_get_openai_errors(server, body, status, fragment):
 @pytest.mark.parametrize(
     "extra, status, fragment",
     [
-        ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+         "response_format json_schema must be an object with the schema under 'schema'"),
+        ({"response_format": {"type": "structural_tag"}}, 400, "response_format 'structural_tag' is not supported"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}, 400, "lone surrogate"),
         # Once a 400 that quoted the chat template's Jinja error.
@@ -1021,17 +1039,45 @@ def test_a_developer_message_is_a_system_message_for_a_template_without_that_rol
     assert developer.choices[0].message.content == system.choices[0].message.content
 
 
-@pytest.mark.parametrize("path, extra, fragment", [
-    ("completions", {"structured_outputs": {"choice": ["yes", "no"]}}, "structured_outputs"),
-    ("chat/completions", {"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
-    ("completions", {"response_format": {"type": "json_object"}}, "response_format 'json_object'"),
-    ("chat/completions", {"tool_choice": "auto"}, "when using tool_choice, tools must be set"),
-])
-def test_structured_output_is_refused_not_answered_in_free_text(server, path, extra, fragment):
-    body = {"max_tokens": 4, **extra}
-    body.update({"messages": [{"role": "user", "content": "hi"}]} if path.startswith("chat") else {"prompt": "hi"})
-    response = _post(server, path, body)
-    assert response.status_code == 400 and fragment in response.json()["error"]["message"]
+def test_tool_choice_without_tools_is_refused(server):
+    body = {"max_tokens": 4, "tool_choice": "auto", "messages": [{"role": "user", "content": "hi"}]}
+    response = _post(server, "chat/completions", body)
+    assert response.status_code == 400 and "when using tool_choice, tools must be set" in response.json()["error"]["message"]
+
+
+_ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
+                  "properties": {"city": {"type": "string", "maxLength": 24}, "population": {"type": "integer"}}}
+
+
+def test_structured_output_follows_its_spec(server, client, smollm2_llm):
+    """vLLM's structured_outputs, its older guided_* names and OpenAI's response_format (refused
+    before): the output keeps to the schema, expression or choice, greedy and sampled, streamed or
+    not; greedy equals the single-process engine under the same spec."""
+    import jsonschema
+
+    ask = [{"role": "user", "content": "Name a large city and its population."}]
+    reply = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=ask, max_tokens=80, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": _ANSWER_SCHEMA}})
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), _ANSWER_SCHEMA)
+    prompt = smollm2_llm.tokenizer.apply_chat_template(ask, add_generation_prompt=True)
+    (expected,) = smollm2_llm.generate([prompt], SamplingParams(max_tokens=80, structured_outputs={"json": _ANSWER_SCHEMA}))
+    assert reply.choices[0].message.content == expected.text
+    free = client.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=80, temperature=0)
+    assert free.choices[0].message.content != expected.text
+    sampled = client.chat.completions.create(model=DEFAULT_MODEL, messages=ask, max_tokens=80, temperature=1.0,
+                                             seed=7, n=3, response_format={"type": "json_object"})
+    for choice in sampled.choices:
+        if choice.finish_reason == "stop":  # a sampled object may run past max_tokens
+            assert isinstance(json.loads(choice.message.content), dict)
+    assert any(choice.finish_reason == "stop" for choice in sampled.choices)
+    streamed = client.completions.create(model=DEFAULT_MODEL, prompt="The capital of France is", max_tokens=10,
+                                         stream=True, extra_body={"structured_outputs": {"choice": ["Rome", "Paris"]}})
+    assert "".join(c.text for chunk in streamed for c in chunk.choices) in ("Rome", "Paris")
+    phone = client.completions.create(model=DEFAULT_MODEL, prompt="Call me at", max_tokens=16, temperature=0.8, seed=1,
+                                      n=2, extra_body={"guided_regex": r"\(\d{3}\) \d{3}-\d{4}"})
+    assert all(re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", choice.text) for choice in phone.choices), phone
 
 
 def test_null_in_an_optional_field_is_its_default(server, client):

@@ -4,13 +4,14 @@ with vLLM on the same weights)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from oasiskv.cluster.logprobs import LogprobFormatter
+from oasiskv.cluster.logprobs import EchoLogprobsGate, LogprobFormatter
 from oasiskv.models.sampling import TokenLogprob
 
 SMOLLM2 = Path(os.path.expanduser("~/.cache/oasiskv/models/smollm2-135m"))
@@ -81,3 +82,30 @@ def test_chat_bytes_rebuild_the_text(smollm2):
     assert content[1]["bytes"] and content[2]["bytes"]
     assert bytes(b for c in content[:5] for b in c["bytes"]).decode() == "、アニ"
     json.dumps(content)  # plain lists of ints and strings
+
+
+@dataclasses.dataclass
+class _Event:  # the one field of a stream event that the gate reads
+    name: str
+    prompt_logprobs: list | None = None
+
+
+def test_echo_gate_holds_a_siblings_events_until_its_prompts_logprobs_come_then_keeps_their_order():
+    # Two prompts, n = 2: choices 0 and 1 echo prompt 0, choices 2 and 3 prompt 1.
+    gate = EchoLogprobsGate([True] * 4, n=2)
+    assert gate.passed(1, _Event("1a")) == []
+    assert gate.passed(1, _Event("1b")) == []
+    assert gate.passed(3, _Event("3a")) == []
+    first = _Event("0a", prompt_logprobs=[TokenLogprob(7, -0.5)])
+    assert [(i, e.name) for i, e in gate.passed(0, first)] == [(1, "1a"), (1, "1b"), (0, "0a")]
+    assert gate.found == {0: first.prompt_logprobs}
+    # Once its prompt's logprobs came, a choice passes at once; prompt 1 still waits.
+    assert [(i, e.name) for i, e in gate.passed(1, _Event("1c"))] == [(1, "1c")]
+    assert gate.passed(3, _Event("3b")) == []
+    assert [(i, e.name) for i, e in gate.passed(2, _Event("2a", prompt_logprobs=[]))] == [(3, "3a"), (3, "3b"), (2, "2a")]
+
+
+def test_echo_gate_passes_choices_that_wait_for_nothing():
+    gate = EchoLogprobsGate([False, True], n=2)
+    assert [i for i, _ in gate.passed(0, _Event("0a"))] == [0]
+    assert gate.passed(1, _Event("1a")) == []

@@ -36,7 +36,7 @@ def run_engine(smollm2_llm, store, prompts, config, params=GREEDY, drafter=None,
     engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, engine_client, config, drafter=drafter)
     if prepare is not None:
         prepare(engine)
-    prefiller = Prefiller(smollm2_llm.model, client)
+    prefiller = Prefiller(smollm2_llm.model, client, tokenizer=smollm2_llm.tokenizer)
     for i, prompt in enumerate(prompts):
         result = prefiller.prefill(
             f"{config.mode}{tag}-{i}", prompt, params, budget_blocks=config.budget_blocks,

@@ -223,6 +223,9 @@ def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
         words = ["fox", "five dozen"]
         sequences = tokenize_bad_words(words, lambda text: llm.tokenizer.encode(text, add_special_tokens=False))
         return repeated, SamplingParams(max_tokens=64, ignore_eos=True, bad_words=words, bad_words_token_ids=sequences)
+    if case == "structured_outputs":  # JSON where the passage would go on: most drafts are refused
+        schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
+        return repeated, SamplingParams(max_tokens=64, structured_outputs={"json": schema})
     if case.startswith("min_tokens"):  # the model says "Yes." and ends, with EOS as soon as it may
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Reply with one word: yes or no?"}])
         return prompt, SamplingParams(max_tokens=60, min_tokens=int(case.split("-")[1]))
@@ -232,7 +235,7 @@ def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
 
 @pytest.mark.parametrize("case", [pytest.param("logit_bias", marks=pytest.mark.slow), "min_tokens-12",
                                   "min_tokens-30", pytest.param("min_p", marks=pytest.mark.slow),
-                                  "allowed_token_ids", "bad_words"])
+                                  "allowed_token_ids", "bad_words", "structured_outputs"])
 def test_min_p_min_tokens_and_logit_bias_decode_as_the_single_process_engine(smollm2_llm, store, case):
     """Verification processes each draft row for its own output position (min_tokens bans EOS
     only on the rows before it), and the prefill's first token too; the drafts come from the
@@ -240,7 +243,7 @@ def test_min_p_min_tokens_and_logit_bias_decode_as_the_single_process_engine(smo
     prompt, params = _processed_case(smollm2_llm, case)
     (expected,) = smollm2_llm.generate([prompt], params)
     unprocessed = dataclasses.replace(params, logit_bias={}, min_tokens=0, min_p=0.0, allowed_token_ids=None,
-                                      bad_words=[], bad_words_token_ids=[])
+                                      bad_words=[], bad_words_token_ids=[], structured_outputs=None)
     assert expected.token_ids != smollm2_llm.generate([prompt], unprocessed)[0].token_ids
     if case.startswith("min_tokens"):
         assert expected.finish_reason == "stop" and len(expected.token_ids) > params.min_tokens
@@ -447,6 +450,21 @@ def test_a_request_id_already_in_the_engine_is_refused(smollm2_llm, store):
             engine.add(prefill, SamplingParams(max_tokens=4))
         assert len(engine.run_to_completion()["twice"].token_ids) == 4
     finally:
+        engine.close()
+
+
+def test_a_first_token_its_structured_output_refuses_is_refused_at_admission(smollm2_llm, store):
+    """A first token not chosen under the request's spec (a prefill that was not given it) cannot
+    go on under it: refused by name, and nothing is left in the engine."""
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, DecodeConfig(kv_pool_gb=0.1, budget_tokens=64))
+    try:
+        prefill = Prefiller(smollm2_llm.model, client).prefill("free-first", smollm2_llm.encode("def add(a, b):" * 20))
+        with pytest.raises(ValueError, match="does not follow the request's structured_outputs"):
+            engine.add(prefill, SamplingParams(max_tokens=4, structured_outputs={"choice": ["zzzz"]}))
+        assert not engine.waiting and not engine.running
+    finally:
+        client.free("free-first")
         engine.close()
 
 

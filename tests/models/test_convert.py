@@ -210,6 +210,18 @@ def test_smol_chat_template(smol_dir, smol_reference_tokenizer):
     assert rendered.endswith("<|im_start|>assistant\n")
 
 
+def test_qwen_tokenizer_normalizes_as_transformers_qwen2_tokenizer(model_cache):
+    """Qwen2's tokenizer NFC-normalizes; transformers (and vLLM through it) load the converted
+    directory as a Qwen2Tokenizer, which does. Decomposed accents were two tokens here before."""
+    from transformers import AutoTokenizer
+
+    model_dir = pull_model("qwen2.5-coder-0.5b", model_cache, progress=False)
+    ours, theirs = load_tokenizer(model_dir), AutoTokenizer.from_pretrained(str(model_dir))
+    for text in ["Cafe\u0301 cre\u0300me", "A\u030angstro\u0308m", "\u00e9", "plain ascii", "\ufb01 \u212b"]:
+        assert ours.encode(text) == theirs(text).input_ids, text
+    assert ours.encode("e\u0301") == ours.encode("\u00e9") and len(ours.encode("e\u0301")) == 1
+
+
 # --- the other registry models (slow) -------------------------------------------------------------
 
 

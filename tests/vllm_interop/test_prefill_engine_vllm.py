@@ -86,8 +86,9 @@ def test_penalties_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
 
 
 def test_sampling_options_through_a_vllm_prefill_match_the_engine(client, smollm2_llm):
-    """min_p, min_tokens, logit_bias, allowed_token_ids and bad_words: vLLM samples the first
-    token with them (min_tokens as far as its one token goes), OasisKV's decode the rest."""
+    """min_p, min_tokens, logit_bias, allowed_token_ids, bad_words and structured output: vLLM
+    samples the first token with them (min_tokens as far as its one token goes), OasisKV's decode
+    the rest."""
     messages = [{"role": "user", "content": "Reply with one word: yes or no?"}]
     ids = smollm2_llm.tokenizer.apply_chat_template(messages)
     forced = smollm2_llm.encode(" banana")[0]
@@ -108,6 +109,11 @@ def test_sampling_options_through_a_vllm_prefill_match_the_engine(client, smollm
         (SamplingParams(max_tokens=6, allowed_token_ids=allowed), {}, {"allowed_token_ids": allowed}),
         # The model's first word: vLLM tokenizes the words as the API does and bans it too.
         (SamplingParams(max_tokens=8, bad_words=[first_word]), {}, {"bad_words": [first_word]}),
+        # The first token keeps to the spec: vLLM compiles the same one with its own xgrammar.
+        (SamplingParams(max_tokens=12, structured_outputs={"choice": ["Perhaps so", "maybe"]}), {},
+         {"structured_outputs": {"choice": ["Perhaps so", "maybe"]}}),
+        (SamplingParams(max_tokens=12, structured_outputs={"regex": "[0-9]{2}-[a-z]+"}), {},
+         {"guided_regex": "[0-9]{2}-[a-z]+"}),
     ):
         expected = smollm2_llm.generate([ids], params)[0]
         out = client.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=params.max_tokens,

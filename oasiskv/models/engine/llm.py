@@ -25,6 +25,7 @@ from ..sampling import (
     token_logprobs,
     tokenize_bad_words,
 )
+from ..structured_output import GrammarState
 from .scheduler import RequestTooLarge, ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .stopping import OutputText, finish_reason, request_eos_ids, visible_text
@@ -149,7 +150,8 @@ class LLM:
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.max_model_len} tokens"
             )
-        seq = Sequence(ids, params, request_id=request_id)
+        seq = Sequence(ids, params, request_id=request_id,
+                       grammar=GrammarState.for_params(params, self.tokenizer, self.model.config.vocab_size))
         if not params.greedy:
             seq.generator = make_generator(params.seed)
         self.scheduler.add(seq)
@@ -185,7 +187,8 @@ class LLM:
             for row, seq in enumerate(samplers):
                 if seq.params.processed:
                     chosen_from[row] = process_logits(logits_rows[row : row + 1], seq.params, seq.prompt_ids,
-                                                      seq.output_ids, eos_token_ids=self.eos_token_ids)[0]
+                                                      seq.output_ids, eos_token_ids=self.eos_token_ids,
+                                                      grammar=seq.grammar)[0]
         new_tokens = sample(chosen_from, [s.params for s in samplers], [s.generator for s in samplers])
         for row, (seq, token) in enumerate(zip(samplers, new_tokens)):
             if seq.params.logprobs is not None:

@@ -33,6 +33,7 @@ class Sequence:
     output_text: object | None = None  # its incremental decoder (stopping.OutputText), made by the engine
     generator: torch.Generator | None = None
     logprobs: list = field(default_factory=list)  # TokenLogprob of each output token, when asked for
+    grammar: object | None = None  # its structured output's matcher (structured_output.GrammarState)
     seq_id: int = field(default_factory=lambda: next(_ids))
 
     def __post_init__(self):

@@ -1,0 +1,37 @@
+"""The API's compile check of a structured output's spec, with the default model's tokenizer: a
+spec that compiles slower than the limit is a 400 before any worker spends the time on it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from oasiskv.cluster import api
+from oasiskv.models.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def service(smollm2_dir):
+    return SimpleNamespace(tokenizer=load_tokenizer(smollm2_dir))  # all the check reads of the service
+
+
+def test_a_spec_that_compiles_too_slowly_is_refused_in_time(service, monkeypatch):
+    monkeypatch.setattr(api, "COMPILE_LIMIT_S", 0.3)
+    slow = {"json": {"type": "string", "maxLength": 200_000}}  # seconds to compile on this machine
+
+    async def refusal():
+        began = time.monotonic()
+        with pytest.raises(api.ApiError) as refused:
+            await api._require_compilable(service, slow, "response_format")
+        return time.monotonic() - began, refused.value
+
+    waited, error = asyncio.run(refusal())  # which then waits for the compile's thread to end
+    assert waited < 2.0
+    assert error.status == 400 and error.param == "response_format"
+    assert "response_format takes over 0.3 s to compile" in error.message
+
+def test_a_spec_within_the_limit_passes(service):
+    asyncio.run(api._require_compilable(service, {"json": {"type": "object"}}, "structured_outputs"))

@@ -1,0 +1,132 @@
+"""Structured output on the single-process engine (SmolLM2-135M): the output keeps to its spec,
+greedy and sampled; a speculative step's rows are limited as one token at a time would be; bad
+specs are refused naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from oasiskv.models.sampling import SamplingParams, process_logits
+from oasiskv.models.structured_output import GrammarState, check_spec
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer", "minimum": 0}}}
+
+
+def _generate(llm, prompt: str, **params):
+    return llm.generate([prompt], SamplingParams(**params))[0]
+
+
+def test_greedy_output_keeps_to_each_kind_of_spec(smollm2_llm):
+    person = _generate(smollm2_llm, "A person as JSON:", max_tokens=60, structured_outputs={"json": SCHEMA})
+    assert person.finish_reason == "stop"
+    jsonschema.validate(json.loads(person.text), SCHEMA)
+    assert isinstance(json.loads(_generate(smollm2_llm, "Point as JSON: ", max_tokens=60,
+                                           structured_outputs={"json_object": True}).text), dict)
+    assert re.fullmatch(r"\d{3}-\d{4}", _generate(smollm2_llm, "My number is", max_tokens=20,
+                                                  structured_outputs={"regex": r"\d{3}-\d{4}"}).text)
+    capital = _generate(smollm2_llm, "The capital of France is", max_tokens=10,
+                        structured_outputs={"choice": ["London", "Paris", "a \"quoted\"\nline"]})
+    assert capital.text == "Paris" and capital.finish_reason == "stop"
+    assert _generate(smollm2_llm, "Is the sky green?", max_tokens=10,
+                     structured_outputs={"grammar": 'root ::= "yes" | "no"'}).text in ("yes", "no")
+    # Free, the model writes no such number: the spec made the difference.
+    assert not re.fullmatch(r"\d{3}-\d{4}", _generate(smollm2_llm, "My number is", max_tokens=20).text)
+
+
+def test_sampled_outputs_keep_to_the_schema(smollm2_llm):
+    """At temperature 1 the model wanders far from JSON on its own; every output that ends is
+    valid, and the one cut by max_tokens is a prefix of valid JSON text."""
+    outputs = smollm2_llm.generate(["Person:"] * 6, [SamplingParams(max_tokens=80, temperature=1.0, seed=seed,
+                                                                    structured_outputs={"json": SCHEMA})
+                                                     for seed in range(6)])
+    finished = [o for o in outputs if o.finish_reason == "stop"]
+    assert finished
+    for output in finished:
+        jsonschema.validate(json.loads(output.text), SCHEMA)
+    for output in outputs:
+        assert output.text.lstrip().startswith("{")
+
+
+def test_a_speculative_steps_rows_are_limited_as_one_token_at_a_time(smollm2_llm):
+    """Row i follows the drafts before it; after a draft the spec refuses, the rows repeat its
+    own (verification stops there); the matcher is left where the output is."""
+    tok = smollm2_llm.tokenizer
+    vocab = smollm2_llm.model.config.vocab_size
+    spec = {"choice": ["Paris is big", "Rome"]}
+    words = tok.encode("Paris is big", add_special_tokens=False)
+    state = GrammarState(spec, tok, vocab)
+    first = state.next_token_bitmask([], [], 1)
+    rows = state.next_token_bitmask([], words[:3], 4)
+    assert torch.equal(rows[0], first[0])
+    for i in range(1, 4):  # one token at a time: a fresh matcher given the output words[:i]
+        alone = GrammarState(spec, tok, vocab)
+        assert torch.equal(rows[i], alone.next_token_bitmask(words[:i], [], 1)[0])
+    refused = state.next_token_bitmask([], [tok.encode(" the", add_special_tokens=False)[0], words[0]], 3)
+    assert torch.equal(refused[1], refused[0]) and torch.equal(refused[2], refused[0])
+    assert torch.equal(state.next_token_bitmask([], [], 1)[0], first[0])  # the drafts were rolled back
+    limited = process_logits(torch.randn(3, vocab), SamplingParams(structured_outputs=spec), [], [], words[:2],
+                             grammar=state)
+    allowed = torch.isfinite(limited)
+    rome = tok.encode("Rome", add_special_tokens=False)[0]
+    assert all(allowed[i, words[i]] for i in range(3)) and allowed[0, rome] and not allowed[1, rome]
+    assert (allowed.sum(dim=-1) < 20).all()
+
+
+def test_a_spec_left_with_no_token_by_other_bans_keeps_to_the_spec(smollm2_llm):
+    """allowed_token_ids that the spec never allows would leave no token at all (sampling from
+    none failed the whole step): the spec's limit alone applies there."""
+    tok = smollm2_llm.tokenizer
+    other = tok.encode(" banana", add_special_tokens=False)[0]
+    out = _generate(smollm2_llm, "The capital of France is", max_tokens=10, allowed_token_ids=[other],
+                    structured_outputs={"choice": ["London", "Paris"]})
+    assert out.text in ("London", "Paris")
+
+
+def test_a_finished_spec_limits_nothing(smollm2_llm):
+    """After the spec is complete and a stop token taken (ignore_eos goes on), the output is free
+    text, as in vLLM."""
+    out = _generate(smollm2_llm, "Answer yes or no:", max_tokens=12, ignore_eos=True,
+                    structured_outputs={"choice": ["yes"]})
+    assert out.text.startswith("yes") and len(out.token_ids) == 12
+
+
+def test_an_output_that_breaks_the_spec_is_named(smollm2_llm):
+    tok = smollm2_llm.tokenizer
+    state = GrammarState({"choice": ["Paris"]}, tok, smollm2_llm.model.config.vocab_size)
+    with pytest.raises(ValueError, match="output token .* does not follow the request's structured_outputs"):
+        state.sync(tok.encode("Rome", add_special_tokens=False))
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ({"json": {"type": "nonsense"}}, 'structured_outputs json is not valid: Unsupported type "nonsense"'),
+    ({"json": "{not json"}, "structured_outputs json is not valid: Failed to parse JSON"),
+    ({"regex": "(ab"}, "structured_outputs regex is not valid: Regex parsing error"),
+    ({"grammar": "root ::= "}, "structured_outputs grammar is not valid: EBNF parser error"),
+    ({"choice": []}, "choice must be a non-empty list of non-empty strings"),
+    ({"choice": ["a", ""]}, "choice must be a non-empty list of non-empty strings"),
+    ({"json": 3}, "json must be a JSON schema"),
+    ({"regex": "a", "choice": ["a"]}, "must name exactly one of json, json_object, regex, choice, grammar"),
+    ({}, "got none"),
+    ({"lark": "start: x"}, "'lark' is not supported"),
+    ("json", "must be an object naming one of"),
+])
+def test_bad_specs_are_refused_naming_the_problem(spec, fragment):
+    with pytest.raises(ValueError) as refused:
+        SamplingParams(structured_outputs=spec)
+    assert fragment in str(refused.value)
+
+
+def test_a_refusal_names_the_field_the_spec_came_from():
+    with pytest.raises(ValueError, match=r"^response_format json is not valid"):
+        check_spec({"json": {"type": "nonsense"}}, "response_format")
+
+
+def test_an_engine_without_a_tokenizer_says_so():
+    with pytest.raises(ValueError, match="need the model's tokenizer"):
+        GrammarState({"regex": "a"}, None, 100)
