@@ -22,6 +22,7 @@ without drafts for several steps: dense lost 11% tokens/s that way, Qwen 1.5B at
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +30,12 @@ import torch
 from ..models.attention import PAD_POSITION, AttentionBatch, PagedAttention
 from ..models.kv_cache import KVCacheSpec, PagedKVCache
 from ..models.sampling import SamplingParams, make_generator, process_logits, stream_seed, target_probs
+from ..models.structured_output import GrammarState
 from ..models.transformer import DecoderModel
 from .config import DecodeConfig
 from .speculative import Draft, DrafterMismatch, NgramDrafter
 
+log = logging.getLogger("oasiskv.decode")
 
 
 @dataclass
@@ -41,6 +44,7 @@ class _DraftState:
     slot_positions: torch.Tensor  # position held by each slot (PAD when empty)
     fed: list[int]  # tokens whose K/V are in the ring
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None  # the request's structured output, followed through the drafts
 
 
 class DraftModelDrafter:
@@ -49,6 +53,7 @@ class DraftModelDrafter:
                  catch_up_budget: int | None = None):
         check_vocabularies(model.config.vocab_size, target_vocab_size, draft_tokenizer, target_tokenizer)
         self.model = model
+        self.target_tokenizer = target_tokenizer  # a structured output's vocabulary
         self.target_vocab_size = target_vocab_size
         self.sink_tokens = sink_tokens
         self.window_tokens = window_tokens
@@ -90,8 +95,20 @@ class DraftModelDrafter:
             region = (torch.tensor(blocks)[:, None] * self.cache.block_size + torch.arange(self.cache.block_size)).reshape(-1)
             seed = None if params.seed is None else stream_seed(params.seed, "draft")
             generator = None if params.greedy else make_generator(seed)
-            self.states[request_id] = _DraftState(region, torch.full((len(region),), PAD_POSITION), [], generator)
+            self.states[request_id] = _DraftState(region, torch.full((len(region),), PAD_POSITION), [], generator,
+                                                  self._grammar(request_id, params))
         return self.states[request_id]
+
+    def _grammar(self, request_id: str, params: SamplingParams) -> GrammarState | None:
+        """Drafts under the request's spec, as the target verifies them: blind ones were mostly
+        refused. Without the target's tokenizer, or a spec that does not compile, it drafts blind."""
+        if params.structured_outputs is None or self.target_tokenizer is None:
+            return None
+        try:
+            return GrammarState(params.structured_outputs, self.target_tokenizer, self.target_vocab_size)
+        except ValueError as error:
+            log.warning("request %s: drafting blind to its structured output: %s", request_id, error)
+            return None
 
     @torch.inference_mode()
     def propose(self, request_ids: list[str], histories: list[list[int]], k: int, params: list[SamplingParams], *,
@@ -151,7 +168,13 @@ class DraftModelDrafter:
                     continue
                 if processed[i] is not None:
                     prompt, output = processed[i]
-                    row = process_logits(row[None], p, prompt, output + tokens[i], eos_token_ids=eos_token_ids)[0]
+                    try:
+                        row = process_logits(row[None], p, prompt, output + tokens[i], eos_token_ids=eos_token_ids,
+                                             grammar=state.grammar)[0]
+                    except ValueError as error:  # the target's output left the spec: its verification says why
+                        log.warning("request %s: drafting blind to its structured output: %s", request_ids[i], error)
+                        state.grammar = None
+                        row = process_logits(row[None], p, prompt, output + tokens[i], eos_token_ids=eos_token_ids)[0]
                 if p.greedy:
                     token = int(row.argmax())
                 else:

@@ -149,7 +149,7 @@ class GrammarState:
         compiled = _COMPILERS.get(tokenizer, vocab_size).compile_grammar(_grammar(check_spec(spec)))
         self.vocab_size = vocab_size
         self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
-        self._followed = 0  # how many output tokens the matcher has taken
+        self._taken: list[int] = []  # the output tokens the matcher has taken
 
     @classmethod
     def for_params(cls, params, tokenizer, vocab_size: int) -> GrammarState | None:
@@ -163,18 +163,21 @@ class GrammarState:
         return self._matcher.is_terminated()
 
     def sync(self, output_ids: list[int]) -> None:
-        """Take the output tokens not yet taken. Raises ValueError for one the spec does not allow
-        (the output was not made under it)."""
-        if len(output_ids) < self._followed:
-            raise ValueError(f"the output went back from {self._followed} to {len(output_ids)} tokens")
-        for token in output_ids[self._followed:]:
-            if self.finished:
+        """Take the output tokens not yet taken, first going back to where `output_ids` parts from
+        what was taken (a draft model's drafts are its output until verification rejects them).
+        Raises ValueError for a token the spec does not allow (the output was not made under it)."""
+        taken = self._taken
+        if output_ids[: len(taken)] != taken:
+            common = next((i for i, (a, b) in enumerate(zip(taken, output_ids)) if a != b), len(output_ids))
+            self._matcher.rollback(len(taken) - common)
+            del taken[common:]
+        for at in range(len(taken), len(output_ids)):
+            if self.finished:  # what follows a stop token (ignore_eos) is not the spec's
                 break
-            if not self._matcher.accept_token(int(token)):
-                raise ValueError(f"output token {token} (position {self._followed}) does not follow the "
-                                 "request's structured_outputs")
-            self._followed += 1
-        self._followed = len(output_ids)
+            if not self._matcher.accept_token(int(output_ids[at])):
+                raise ValueError(f"output token {output_ids[at]} (position {at}) does not follow the request's "
+                                 "structured_outputs")
+            taken.append(int(output_ids[at]))
 
     def next_token_bitmask(self, output_ids: list[int], drafts: list[int], rows: int) -> torch.Tensor | None:
         """xgrammar's bitmask [rows, words] of the tokens allowed at each row: row i follows the

@@ -78,6 +78,23 @@ def test_a_speculative_steps_rows_are_limited_as_one_token_at_a_time(smollm2_llm
     assert (allowed.sum(dim=-1) < 20).all()
 
 
+def test_an_output_that_goes_back_is_followed_back(smollm2_llm):
+    """A draft model's drafts are its output until verification rejects them: the matcher goes
+    back to where the new output parts from what it took, past a stop token too."""
+    tok = smollm2_llm.tokenizer
+    vocab = smollm2_llm.model.config.vocab_size
+    spec = {"choice": ["Paris is big", "Paris is old"]}
+    words = tok.encode("Paris is big", add_special_tokens=False)
+    state = GrammarState(spec, tok, vocab)
+    whole = words + [tok.eos_token_ids[0]]
+    state.sync(whole)
+    assert state.finished
+    for output in (words[:1], words[:2] + tok.encode(" old", add_special_tokens=False), words[:2], []):
+        fresh = GrammarState(spec, tok, vocab)
+        assert torch.equal(state.next_token_bitmask(output, [], 1), fresh.next_token_bitmask(output, [], 1)), output
+    assert not state.finished
+
+
 def test_a_spec_left_with_no_token_by_other_bans_keeps_to_the_spec(smollm2_llm):
     """allowed_token_ids that the spec never allows would leave no token at all (sampling from
     none failed the whole step): the spec's limit alone applies there."""
