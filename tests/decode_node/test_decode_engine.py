@@ -224,9 +224,11 @@ def _processed_case(llm, case: str) -> tuple[list[int], SamplingParams]:
         words = ["fox", "five dozen"]
         sequences = tokenize_bad_words(words, lambda text: llm.tokenizer.encode(text, add_special_tokens=False))
         return repeated, SamplingParams(max_tokens=64, ignore_eos=True, bad_words=words, bad_words_token_ids=sequences)
-    if case == "structured_outputs":  # JSON where the passage would go on: most drafts are refused
-        schema = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
-        return repeated, SamplingParams(max_tokens=64, structured_outputs={"json": schema})
+    if case == "structured_outputs":  # JSON where the model would answer in prose: blind drafts are refused
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Name a large city and its population."}])
+        schema = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
+                  "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}}
+        return prompt, SamplingParams(max_tokens=64, structured_outputs={"json": schema})
     if case.startswith("min_tokens"):  # the model says "Yes." and ends, with EOS as soon as it may
         prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Reply with one word: yes or no?"}])
         return prompt, SamplingParams(max_tokens=60, min_tokens=int(case.split("-")[1]))
