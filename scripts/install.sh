@@ -48,7 +48,7 @@ if [ "$with_vllm" = 1 ]; then
 fi
 python - "$with_vllm" <<'PY'
 import importlib, sys
-names = ["torch", "transformers", "gguf", "nixl._api", "ray"] + (["vllm"] if sys.argv[1] == "1" else [])
+names = ["torch", "transformers", "gguf", "nixl._api", "ray", "xgrammar"] + (["vllm"] if sys.argv[1] == "1" else [])
 for name in names:
     importlib.import_module(name)
 import torch

@@ -192,7 +192,8 @@ def test_penalized_decoding_matches_the_single_process_engine(smollm2_llm, store
 
 @pytest.mark.parametrize("case", [pytest.param("repetition_penalty", marks=pytest.mark.slow),
                                   pytest.param("logit_bias", marks=pytest.mark.slow), "min_tokens-12",
-                                  pytest.param("allowed_token_ids", marks=pytest.mark.slow), "structured_outputs"])
+                                  pytest.param("allowed_token_ids", marks=pytest.mark.slow),
+                                  pytest.param("structured_outputs", marks=pytest.mark.slow)])
 def test_a_draft_model_processes_its_logits_as_the_target_does(smollm2_llm, store, case):
     """Drafts from the model itself under the request's penalties, biases, min_tokens and
     structured output (its drafts followed by the spec, and rolled back when rejected) are what
