@@ -5,8 +5,11 @@ matching HTTP status."""
 from __future__ import annotations
 
 import asyncio
+import collections
+import concurrent.futures
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import secrets
@@ -297,17 +300,44 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
         raise ApiError(400, str(exc), "invalid_request_error", _field_named(str(exc), body)) from exc
 
 
+# Structured output's checks run here, not on the default executor that tokenizes prompts: a
+# spec that compiles slowly would hold up other requests' tokenizing.
+_GRAMMAR_CHECKS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar-check")
+# Specs refused for compiling too slowly (digests, the latest kept): a compile that ran over goes on
+# in its thread and then caches its grammar, and the same spec sent again passed at once, for each
+# worker to spend the time on.
+_TOO_SLOW: collections.OrderedDict[str, None] = collections.OrderedDict()
+_TOO_SLOW_KEPT = 1024
+
+
 async def _require_compilable(service: ClusterService, spec: dict, field: str) -> None:
-    """A spec that takes too long to compile is refused here, before a worker spends the time
-    (off the event loop; one that runs over goes on in its thread, and its result is dropped)."""
+    """Parse and compile the spec off the event loop, as the workers will: one that does not
+    parse, allows no output, or takes over COMPILE_LIMIT_S (it goes on in its thread, and its
+    result is dropped) is a 400 naming `field`."""
+    digest = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()
+    too_slow = ApiError(400, f"{field} takes over {COMPILE_LIMIT_S:g} s to compile; make its bounds (maxLength, "
+                             "minItems, {m,n} counts) smaller", "invalid_request_error", field)
+    if digest in _TOO_SLOW:
+        raise too_slow
+    loop = asyncio.get_running_loop()
+    started = loop.create_future()
+
+    def check() -> None:
+        loop.call_soon_threadsafe(lambda: started.done() or started.set_result(None))
+        compile_spec(spec, service.tokenizer, service.tokenizer.vocab_size, field)
+
+    done = loop.run_in_executor(_GRAMMAR_CHECKS, check)
     try:
-        await asyncio.wait_for(asyncio.to_thread(compile_spec, spec, service.tokenizer, service.tokenizer.vocab_size),
-                               COMPILE_LIMIT_S)
+        # The limit counts from when the compile starts: time queued behind others is not the spec's.
+        await asyncio.wait({started, done}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait_for(done, COMPILE_LIMIT_S)
     except (TimeoutError, asyncio.TimeoutError):
-        raise ApiError(400, f"{field} takes over {COMPILE_LIMIT_S:g} s to compile; make its bounds (maxLength, "
-                            "minItems, {m,n} counts) smaller", "invalid_request_error", field) from None
+        _TOO_SLOW[digest] = None
+        while len(_TOO_SLOW) > _TOO_SLOW_KEPT:
+            _TOO_SLOW.popitem(last=False)
+        raise too_slow from None
     except ValueError as exc:
-        raise ApiError(400, f"{field} {exc}", "invalid_request_error", field) from exc
+        raise ApiError(400, str(exc), "invalid_request_error", field) from exc
 
 
 def _field_named(message: str, body) -> str | None:

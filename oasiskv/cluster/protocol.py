@@ -166,7 +166,11 @@ class _SamplingFields(_Lenient):
                 raise ValueError("response_format json_schema must be an object with the schema under 'schema', "
                                  f"got {described!r}")
             spec["json"] = described["schema"]
-        return check_spec(spec, self.structured_outputs_field()) if spec else None
+        if not spec:
+            if self.structured_outputs is not None:  # as vLLM: options alone, or {}, ask for nothing
+                check_spec(spec, "structured_outputs", parse=False)
+            return None
+        return check_spec(spec, self.structured_outputs_field(), parse=False)  # parsed by the API off its loop
 
     def structured_outputs_field(self) -> str:
         """The field the client asked for structured output with, which a refusal names."""

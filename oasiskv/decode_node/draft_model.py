@@ -86,7 +86,7 @@ class DraftModelDrafter:
             return position
         return self.sink_tokens + (position - self.sink_tokens) % self.ring
 
-    def _state(self, request_id: str, params: SamplingParams) -> _DraftState:
+    def _state(self, request_id: str, params: SamplingParams, eos_token_ids=()) -> _DraftState:
         if request_id not in self.states:
             if len(self.states) >= self.max_requests:
                 raise RuntimeError(f"the draft model's KV holds {self.max_requests} requests and all are in use; "
@@ -96,16 +96,16 @@ class DraftModelDrafter:
             seed = None if params.seed is None else stream_seed(params.seed, "draft")
             generator = None if params.greedy else make_generator(seed)
             self.states[request_id] = _DraftState(region, torch.full((len(region),), PAD_POSITION), [], generator,
-                                                  self._grammar(request_id, params))
+                                                  self._grammar(request_id, params, eos_token_ids))
         return self.states[request_id]
 
-    def _grammar(self, request_id: str, params: SamplingParams) -> GrammarState | None:
+    def _grammar(self, request_id: str, params: SamplingParams, eos_token_ids) -> GrammarState | None:
         """Drafts under the request's spec, as the target verifies them: blind ones were mostly
         refused. Without the target's tokenizer, or a spec that does not compile, it drafts blind."""
         if params.structured_outputs is None or self.target_tokenizer is None:
             return None
         try:
-            return GrammarState(params.structured_outputs, self.target_tokenizer, self.target_vocab_size)
+            return GrammarState.for_params(params, self.target_tokenizer, self.target_vocab_size, list(eos_token_ids))
         except ValueError as error:
             log.warning("request %s: drafting blind to its structured output: %s", request_id, error)
             return None
@@ -115,7 +115,7 @@ class DraftModelDrafter:
                 prompt_lengths: list[int] | None = None, eos_token_ids=()) -> list[Draft]:
         if k == 0:
             return [Draft([]) for _ in histories]
-        states = [self._state(r, p) for r, p in zip(request_ids, params)]
+        states = [self._state(r, p, eos_token_ids) for r, p in zip(request_ids, params)]
         for state, history in zip(states, histories):
             fed = len(state.fed)
             if fed <= len(history) and history[:fed] == state.fed:  # the usual step: the history went on

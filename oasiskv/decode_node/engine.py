@@ -101,6 +101,7 @@ class DecodeRequest:
     summaries: SummaryPages | None = None
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # its structured output's matcher
+    grammar_compile: Future | None = None  # while its spec compiles (it waits, the batch goes on)
     text: str = ""
     finish_reason: str | None = None
     write_backs: list[WriteBack] = field(default_factory=list)
@@ -169,6 +170,7 @@ class DecodeEngine:
         self.drafter = drafter if drafter is not None else NgramDrafter()
         self.eos_token_ids = request_eos_ids(mc, tokenizer)
         self.waiting: deque[DecodeRequest] = deque()
+        self._grammar_compiles = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self.admitting: list[DecodeRequest] = []  # given their rows; their first reads in flight
         self.running: list[DecodeRequest] = []
         # (pool rows, transfers that may still write into them): rows of requests that ended
@@ -212,10 +214,10 @@ class DecodeEngine:
         req = DecodeRequest(prefill.request_id, list(prefill.prompt_ids), params, [prefill.first_token],
                             prefill.initial_selection, num_kv=len(prefill.prompt_ids), mode=mode,
                             summary_kind=prefill.layout.summary_kind, plan=plan)
-        # Built from the output so far: the prefill's first token was chosen under the same spec.
-        req.grammar = GrammarState.for_params(params, self.tokenizer, self.model.config.vocab_size)
-        if req.grammar is not None:
-            req.grammar.sync(req.output_ids)
+        if params.structured_outputs is not None:
+            # Compiled on a thread: against Qwen's vocabulary a schema takes seconds, and the
+            # batch would stop for them. The request waits for it; the ones behind it go first.
+            req.grammar_compile = self._grammar_compiles.submit(self._compile_grammar, params, req.output_ids)
         if not params.greedy:
             req.generator = make_generator(None if params.seed is None else stream_seed(params.seed, "verify"))
         self.waiting.append(req)
@@ -238,11 +240,41 @@ class DecodeEngine:
             raise ValueError(f"request {prefill.request_id}: its prefill wrote KV of another layout: {', '.join(differ)}; "
                              "prefill and decode must run the same model, dtype and block size")
 
+    def _compile_grammar(self, params: SamplingParams, output_ids: list[int]) -> GrammarState:
+        """The request's structured output, following its output so far (the prefill chose its
+        first token under the same spec)."""
+        grammar = GrammarState.for_params(params, self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        grammar.sync(output_ids)
+        return grammar
+
+    def _grammar_ready(self, req: DecodeRequest) -> bool:
+        """Whether the request's structured output (if any) has compiled; one that failed ends the
+        request (`_admit_waiting`)."""
+        future = req.grammar_compile
+        if future is None:
+            return True
+        if not future.done():
+            return False
+        req.grammar_compile = None
+        try:
+            req.grammar = future.result()
+        except Exception as error:  # a spec its first token breaks, or that does not compile here
+            req.failure = error
+        return True
+
     def _admit_waiting(self) -> list[DecodeOutput]:
         """End the queued requests that ended at their first token, wherever they wait (they need
-        no seat and no rows: behind a full engine they waited for a seat), then start the
-        admission of the queued requests that fit, in order."""
+        no seat and no rows: behind a full engine they waited for a seat), and those whose
+        structured output failed, then start the admission of the queued requests that fit, in
+        order; one whose structured output is compiling lets those behind it go first."""
         finished = []
+        for req in [r for r in self.waiting if self._grammar_ready(r) and r.failure is not None]:
+            self.waiting.remove(req)
+            self._free_in_store(req.request_id)
+            log.warning("request %s: its structured output failed: %s", req.request_id, req.failure)
+            finished.append(DecodeOutput(req.request_id, [], req.output_ids, req.text, True, None,
+                                         error=f"its structured output failed: {type(req.failure).__name__}: "
+                                               f"{req.failure}"))
         if any(req.finish_reason for req in self.waiting):
             still_waiting = [req for req in self.waiting if not req.finish_reason]
             for req in self.waiting:
@@ -252,11 +284,14 @@ class DecodeEngine:
                                                  stop_reason=self._stop_reason(req, req.finish_reason)))
             self.waiting.clear()
             self.waiting.extend(still_waiting)
-        while self.waiting and len(self.running) + len(self.admitting) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        for req in list(self.waiting):
+            if len(self.running) + len(self.admitting) >= self.config.max_num_seqs:
+                break
+            if not self._grammar_ready(req):
+                continue
             if req.plan.total > self.pool.allocator.num_free:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             try:
                 self._admit(req, req.plan)  # starts its reads; a store that fails them ends it in _join_admitted
             except BaseException:
@@ -377,7 +412,10 @@ class DecodeEngine:
         outputs = self._admit_waiting()
         outputs += self._join_admitted(0.0 if self.running else IDLE_WAIT_S)
         if not self.running:
-            if self.waiting and not self.admitting:
+            compiling = [r.grammar_compile for r in self.waiting if r.grammar_compile is not None]
+            if compiling and not self.admitting:
+                concurrent.futures.wait(compiling, timeout=IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
+            elif self.waiting and not self.admitting:
                 if not self.quarantine:
                     raise RuntimeError("no request fits the device KV pool although it is empty")
                 self.settle(IDLE_WAIT_S)  # rows a store still holds; the queue waits
@@ -714,6 +752,7 @@ class DecodeEngine:
             self.abort_all()
         except Exception as error:
             errors.append(error)
+        self._grammar_compiles.shutdown(wait=False, cancel_futures=True)
         self.settle(self.config.fetch_timeout_s)
         if self.quarantine:
             # Unregistered memory that a transfer then writes into is worse than a leak at exit.

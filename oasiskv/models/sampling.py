@@ -163,7 +163,8 @@ class SamplingParams:
             raise ValueError("bad_words_token_ids are made from bad_words (tokenize_bad_words): give the words too")
         self.bad_words_token_ids = [[int(t) for t in ids] for ids in self.bad_words_token_ids]
         if self.structured_outputs is not None:
-            self.structured_outputs = check_spec(self.structured_outputs)
+            # Parsed where it is compiled (a large one takes a while): the engines and the API's check.
+            self.structured_outputs = check_spec(self.structured_outputs, parse=False)
 
     @property
     def greedy(self) -> bool:
@@ -306,7 +307,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
     commute), logit_bias, the penalties, then `grammar`'s limit (structured_outputs; vLLM applies it
     first, and a ban commutes with the rest). A new fp32 tensor; the raw logits stay for the
     logprobs, which are vLLM's raw ones."""
-    raw, logits = logits, logits.float().clone()
+    logits = logits.float().clone()
     if params.allowed_token_ids is not None:
         allowed = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
         allowed[torch.tensor(params.allowed_token_ids, dtype=torch.long, device=logits.device)] = True
@@ -323,25 +324,31 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
     if params.penalized:
         logits = apply_penalties(logits, params, prompt_ids, output_ids, drafts)
     if grammar is not None:
-        _limit_to_grammar(logits, raw, grammar, output_ids, drafts)
+        _limit_to_grammar(logits, grammar, output_ids, drafts)
     return logits
 
 
-def _limit_to_grammar(logits: torch.Tensor, raw: torch.Tensor, grammar: GrammarState, output_ids: list[int],
-                      drafts: list[int]) -> None:
-    """The structured output's limit, last, in place. A row that the other bans together with it
-    would leave without a token takes the limit alone on its raw logits: the output keeps to the
-    spec (sampling from no token failed the whole decode step)."""
-    bitmask = grammar.next_token_bitmask(output_ids, list(drafts[: logits.shape[0] - 1]), logits.shape[0])
+def _limit_to_grammar(logits: torch.Tensor, grammar: GrammarState, output_ids: list[int], drafts: list[int]) -> None:
+    """The structured output's limit, last, in place. A row it leaves no token (a spec with a dead
+    end, or one that with the other bans allows nothing there: min_tokens' ban of EOS where only
+    EOS may follow, say) refuses the draft that led there, so verification stops before it (the
+    row itself, never used then, is made finite); the first row left without a token raises
+    ValueError. Sampling from no token failed the whole decode step, and any token taken instead
+    would break the spec."""
+    drafts = list(drafts[: logits.shape[0] - 1])
+    bitmask = grammar.next_token_bitmask(output_ids, drafts, logits.shape[0])
     if bitmask is None:
         return
     apply_bitmask(logits, bitmask)
-    empty = ~torch.isfinite(logits).any(dim=-1)
-    if empty.any():
-        rows = empty.nonzero().flatten()
-        alone = raw[rows].float().clone()
-        apply_bitmask(alone, bitmask[rows.cpu()])
-        logits[rows] = alone
+    empty = (logits.amax(dim=-1) == float("-inf")).tolist()
+    for row in range(len(empty) - 1, 0, -1):
+        if empty[row]:
+            logits[row] = 0.0
+            logits[row - 1, drafts[row - 1]] = float("-inf")
+            empty[row - 1] = bool(logits[row - 1].amax() == float("-inf"))
+    if empty[0]:
+        raise ValueError(f"the structured output, with the request's other limits, leaves no token to generate "
+                         f"at output position {len(output_ids)}")
 
 
 def _ban_bad_words(logits: torch.Tensor, sequences: list[list[int]], generated: list[int], base: int,

@@ -14,6 +14,7 @@ drafts in turn and rolling them back.
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import weakref
@@ -23,17 +24,30 @@ import torch
 # The kinds of spec, as vLLM's StructuredOutputsParams names them; a spec names exactly one.
 SPEC_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
-# xgrammar prefixes its errors with a time and a C++ source position: "[04:48:24] /project/cpp/...: ".
-_NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+# vLLM's limit on how deep a JSON schema's objects and arrays may nest: parsing one costs about
+# the cube of its depth (600 levels, a 17 KB body, took 10 s).
+MAX_JSON_NESTING = 64
+
+# The string formats xgrammar enforces (vLLM's list); another is ignored by it.
+_ENFORCED_FORMATS = {"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+                     "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"}
+
+# xgrammar's errors carry a time and a C++ source position ("[04:48:24] /project/cpp/x.cc:83: "),
+# at their start and before each message they wrap.
+_NATIVE_POSITION = re.compile(r"\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
-def check_spec(spec, field: str = "structured_outputs") -> dict:
+def check_spec(spec, field: str = "structured_outputs", parse: bool = True) -> dict:
     """`spec` as a dict naming exactly one kind: {"json": schema (a dict or its JSON text)},
     {"json_object": true}, {"regex": str}, {"choice": [str, ...]} or {"grammar": EBNF}. Raises
-    ValueError naming what is wrong, a schema, expression or grammar that does not parse too;
-    its message begins with `field`, the request field it came from."""
+    ValueError naming what is wrong, its message beginning with `field` (the request field it came
+    from). `parse`: parse it too (a schema, expression or grammar that does not parse is refused);
+    parsing a large spec takes a while, which an API does off its event loop (`compile_spec`)."""
     try:
-        return _checked(spec)
+        checked = _checked(spec)
+        if parse:
+            _grammar(checked)
+        return checked
     except ValueError as error:
         raise ValueError(f"{field} {error}") from None
 
@@ -46,8 +60,7 @@ def _checked(spec) -> dict:
     if unknown:
         raise ValueError(f"{unknown[0]!r} is not supported (one of {', '.join(SPEC_KINDS)})")
     if len(given) != 1:
-        raise ValueError(f"must name exactly one of {', '.join(SPEC_KINDS)}, got "
-                         f"{sorted(given) or 'none'}")
+        raise ValueError(f"must name exactly one of {', '.join(SPEC_KINDS)}, got {sorted(given) or 'none'}")
     (kind, value), = given.items()
     if kind == "json" and not isinstance(value, (dict, str)):
         raise ValueError(f"json must be a JSON schema (an object or its text), got {value!r}")
@@ -55,12 +68,83 @@ def _checked(spec) -> dict:
         raise ValueError(f"json_object must be true, got {value!r}")
     if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
         raise ValueError(f"{kind} must be a non-empty string, got {value!r}")
+    if kind in ("regex", "grammar") and "\0" in value:  # xgrammar's native parsers do not take it
+        raise ValueError(f"{kind} contains a NUL character")
     if kind == "choice" and (not isinstance(value, list) or not value
                              or not all(isinstance(c, str) and c for c in value)):
         raise ValueError(f"choice must be a non-empty list of non-empty strings, got {value!r}")
-    checked = {kind: value}
-    _grammar(checked)  # parses it: a bad spec is refused before a worker sees it
-    return checked
+    if kind == "json":
+        schema = value
+        if isinstance(value, str):
+            try:
+                schema = json.loads(value)
+            except RecursionError:
+                raise ValueError(f"json nests objects and arrays deeper than {MAX_JSON_NESTING} levels") from None
+            except ValueError:
+                schema = None  # not JSON: parsing says where
+        if schema is not None:
+            _require_shallow(schema)
+            unsupported = _unsupported_json_feature(schema)
+            if unsupported:
+                raise ValueError(f"json uses {unsupported}, which is not enforced (xgrammar would ignore it)")
+    return {kind: value}
+
+
+def _require_shallow(schema) -> None:
+    level = [schema]
+    for _ in range(MAX_JSON_NESTING):
+        level = [child for node in level for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return
+    raise ValueError(f"json nests objects and arrays deeper than {MAX_JSON_NESTING} levels")
+
+
+def _unsupported_json_feature(schema) -> str | None:
+    """The first constraint of `schema` that xgrammar 0.2.8 leaves unenforced (vLLM sends such
+    schemas to another backend; output under them broke the schema: ["maybe"] for an enum in
+    allOf, [1, 1] for uniqueItems). None: it enforces them all."""
+    nodes = [schema]
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, list):
+            nodes.extend(item for item in node if isinstance(item, (dict, list)))
+            continue
+        if not isinstance(node, dict):
+            continue
+        types = node.get("type")
+        types = {types} if isinstance(types, str) else {t for t in types if isinstance(t, str)} \
+            if isinstance(types, list) else set()
+        bounded = "minLength" in node or "maxLength" in node
+        if types & {"integer", "number"} and "multipleOf" in node:
+            return "multipleOf"
+        if "array" in types:
+            for key in ("uniqueItems", "contains", "minContains", "maxContains"):
+                if key in node:
+                    return key
+        if "string" in types:
+            if "format" in node and node["format"] not in _ENFORCED_FORMATS:
+                return f"format {node['format']!r}"
+            if ("pattern" in node or "format" in node) and bounded:
+                return "a pattern or format with minLength or maxLength"
+        if "object" in types:
+            names = node.get("propertyNames")
+            if names is not None:
+                if isinstance(names, dict) and ("pattern" in names or "format" in names) \
+                        and ("minLength" in names or "maxLength" in names):
+                    return "propertyNames with a pattern or format and a length"
+                for key in ("patternProperties", "properties"):
+                    if key in node:
+                        return f"propertyNames with {key}"
+                if node.get("unevaluatedProperties", True) is not True:
+                    return "propertyNames with unevaluatedProperties"
+            patterns = node.get("patternProperties")
+            if isinstance(patterns, dict) and ("properties" in node or len(patterns) > 1):
+                return "patternProperties with properties, or more than one pattern"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) >= 2:
+            return "allOf with more than one schema"
+        nodes.extend(value for value in node.values() if isinstance(value, (dict, list)))
+    return None
 
 
 def _grammar(spec: dict):
@@ -83,9 +167,9 @@ def _grammar(spec: dict):
 
 
 def _native_message(error: RuntimeError) -> str:
-    """xgrammar's message without its time and C++ source position."""
+    """xgrammar's message, its first line, without its times and C++ source positions."""
     text = str(error).strip()
-    return _NATIVE_PREFIX.sub("", text.splitlines()[0] if text else "")
+    return _NATIVE_POSITION.sub("", text.splitlines()[0] if text else "")
 
 
 def _choice_ebnf(choices: list[str]) -> str:
@@ -95,20 +179,21 @@ def _choice_ebnf(choices: list[str]) -> str:
 
 # How long the API lets a spec take to compile. Compiling is not bounded by the spec's size: a
 # string's maxLength of 100,000 took 6 s against Qwen's vocabulary, and each worker compiles it
-# again, the prefill's while every other prompt waits.
+# again (on a thread, while its batch goes on).
 COMPILE_LIMIT_S = 10.0
 # What each compiler keeps of the grammars it compiled (xgrammar keeps them all by default).
 _COMPILER_CACHE_BYTES = 256 * 2**20
+# Threads a compile may use (vLLM's 8): one vocabulary pass split among them.
+_COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
-def compile_spec(spec: dict, tokenizer, vocab_size: int) -> None:
-    """Compile `spec` against the vocabulary, as a worker will (the API runs it on a thread,
-    under COMPILE_LIMIT_S). ValueError for one xgrammar cannot compile."""
-    grammar = _grammar(spec)
-    try:
-        _COMPILERS.get(tokenizer, vocab_size).compile_grammar(grammar)
-    except RuntimeError as error:
-        raise ValueError(f"could not be compiled: {_native_message(error)}") from None
+def compile_spec(spec: dict, tokenizer, vocab_size: int, field: str = "structured_outputs") -> None:
+    """Parse and compile `spec` against the vocabulary, as a worker will, and check that it
+    allows a first token (the API runs it on a thread, under COMPILE_LIMIT_S). ValueError for a
+    spec that does not parse or compile, or allows nothing, its message beginning with `field`."""
+    state = GrammarState(spec, tokenizer, vocab_size, field=field)
+    if not bool(state.next_token_bitmask([], [], 1).any()):
+        raise ValueError(f"{field} {next(iter(spec))} allows no output at all")
 
 
 class _Compilers:
@@ -129,7 +214,7 @@ class _Compilers:
                 info = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tokenizer.tokenizer),
                                                           vocab_size=vocab_size,
                                                           stop_token_ids=list(tokenizer.eos_token_ids))
-                compilers[vocab_size] = xgr.GrammarCompiler(info, max_threads=1,
+                compilers[vocab_size] = xgr.GrammarCompiler(info, max_threads=_COMPILE_THREADS,
                                                             cache_limit_bytes=_COMPILER_CACHE_BYTES)
             return compilers[vocab_size]
 
@@ -141,20 +226,35 @@ class GrammarState:
     """A request's matcher, following its output. `next_token_bitmask` gives, for each row of a
     step, the tokens the spec allows there."""
 
-    def __init__(self, spec: dict, tokenizer, vocab_size: int):
+    def __init__(self, spec: dict, tokenizer, vocab_size: int, stop_token_ids=None, field: str = "structured_outputs"):
+        """`stop_token_ids`: the tokens that end the request (EOS and its stop_token_ids, as vLLM
+        gives its matcher): the spec lets one come only where the output may end. Default: the
+        tokenizer's EOS. ValueError for a spec that does not parse or compile, its message
+        beginning with `field`."""
         import xgrammar as xgr
 
         if tokenizer is None:
-            raise ValueError("structured_outputs need the model's tokenizer, and this engine was given none")
-        compiled = _COMPILERS.get(tokenizer, vocab_size).compile_grammar(_grammar(check_spec(spec)))
+            raise ValueError(f"{field} need the model's tokenizer, and this engine was given none")
+        spec = check_spec(spec, field, parse=False)
+        try:
+            compiled = _COMPILERS.get(tokenizer, vocab_size).compile_grammar(_grammar(spec))
+        except ValueError as error:
+            raise ValueError(f"{field} {error}") from None
+        except RuntimeError as error:
+            raise ValueError(f"{field} could not be compiled: {_native_message(error)}") from None
+        stops = sorted(set(tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids))
         self.vocab_size = vocab_size
-        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
+        self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None, max_rollback_tokens=-1)
         self._taken: list[int] = []  # the output tokens the matcher has taken
 
     @classmethod
-    def for_params(cls, params, tokenizer, vocab_size: int) -> GrammarState | None:
-        spec = params.structured_outputs
-        return None if spec is None else cls(spec, tokenizer, vocab_size)
+    def for_params(cls, params, tokenizer, vocab_size: int, eos_token_ids=None) -> GrammarState | None:
+        """The request's state, its stop tokens `eos_token_ids` (the engine's) and its own
+        stop_token_ids; None without a spec."""
+        if params.structured_outputs is None:
+            return None
+        eos = list(tokenizer.eos_token_ids if eos_token_ids is None and tokenizer is not None else eos_token_ids or [])
+        return cls(params.structured_outputs, tokenizer, vocab_size, eos + list(params.stop_token_ids))
 
     @property
     def finished(self) -> bool:
@@ -188,7 +288,7 @@ class GrammarState:
         self.sync(output_ids)
         if self.finished:
             return None
-        bitmask = xgr.allocate_token_bitmask(rows, self.vocab_size)
+        bitmask = xgr.allocate_token_bitmask(rows, self.vocab_size)  # all ones: every token allowed
         taken = 0
         for row in range(rows):
             self._matcher.fill_next_token_bitmask(bitmask, row)
@@ -198,8 +298,7 @@ class GrammarState:
                 bitmask[row + 1:] = bitmask[row]
                 break
             taken += 1
-            if self.finished:
-                bitmask[row + 1:] = bitmask[row]
+            if self.finished:  # a drafted stop token (ignore_eos): after it the output is free
                 break
         if taken:
             self._matcher.rollback(taken)
@@ -207,13 +306,10 @@ class GrammarState:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """-inf, in place, for the tokens a row's bitmask leaves out (fp32 logits [rows, V])."""
-    import xgrammar as xgr
-
-    if logits.device.type == "cpu":
-        xgr.apply_token_bitmask_inplace(logits, bitmask)
-    else:  # no kernel needed for a handful of rows: unpack the bits on the device
-        bits = bitmask.to(logits.device)
-        words = torch.arange(logits.shape[-1], device=logits.device)
-        allowed = (bits[:, words // 32] >> (words % 32)) & 1
-        logits.masked_fill_(allowed == 0, float("-inf"))
+    """-inf, in place, for the tokens a row's bitmask leaves out (logits [rows, V], on any
+    device; bit j of word w allows token 32w + j). Unpacked with shifts: xgrammar's CPU kernel
+    took 0.7 ms a row for Qwen's vocabulary, this a third of that."""
+    bits = bitmask.to(logits.device)
+    shifts = torch.arange(32, dtype=bits.dtype, device=logits.device)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).reshape(bits.shape[0], -1)[:, : logits.shape[-1]]
+    logits.masked_fill_(allowed == 0, float("-inf"))

@@ -8,6 +8,7 @@ blocks of each layer to predict the decode node's first working set.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -101,6 +102,9 @@ class _CapturingAttention(PagedAttention):
         return out
 
 
+_GRAMMAR_COMPILES = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+
+
 class Prefiller:
     def __init__(self, model: DecoderModel, client, block_size: int = 16, chunk_tokens: int = 1024,
                  summary_kind: str = DEFAULT_SUMMARY_KIND, tokenizer=None, prefix_cache: PrefixCache | None = None):
@@ -139,6 +143,9 @@ class Prefiller:
         if any(not 0 <= t < config.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {config.vocab_size}) for this model")
         require_known_tokens(params, config.vocab_size, self.eos_token_ids)
+        # Compiled on a thread while the prompt is computed: a schema takes seconds against Qwen's vocabulary.
+        grammar_compile = (None if params.structured_outputs is None else _GRAMMAR_COMPILES.submit(
+            GrammarState.for_params, params, self.tokenizer, config.vocab_size, self.eos_token_ids))
         if num_tokens >= config.max_position_embeddings:
             raise ValueError(f"the prompt ({num_tokens} tokens) leaves no room in the model's context of "
                              f"{config.max_position_embeddings} tokens")
@@ -178,7 +185,7 @@ class Prefiller:
                     prompt_logprobs += self._prompt_logprobs(hidden, prompt_ids[start + 1 : end + 1], params.prompt_logprobs)
             logits = model.compute_logits(hidden[-1:]).cpu()  # sampled with a CPU generator, as the decode node does
             generator = None if params.greedy else make_generator(params.seed)
-            grammar = GrammarState.for_params(params, self.tokenizer, model.config.vocab_size)
+            grammar = None if grammar_compile is None else grammar_compile.result()
             chosen_from = (process_logits(logits, params, prompt_ids, [], eos_token_ids=self.eos_token_ids,
                                           grammar=grammar) if params.processed else logits)
             first = sample(chosen_from, [params], [generator])[0]

@@ -32,6 +32,13 @@ def test_a_spec_that_compiles_too_slowly_is_refused_in_time(service, monkeypatch
     assert waited < 2.0
     assert error.status == 400 and error.param == "response_format"
     assert "response_format takes over 0.3 s to compile" in error.message
+    # Sent again once the compile has ended (and cached its grammar), it is still refused, at once.
+    waited, error = asyncio.run(refusal())
+    assert waited < 0.1 and "takes over 0.3 s" in error.message
 
-def test_a_spec_within_the_limit_passes(service):
+def test_a_spec_within_the_limit_passes_and_one_that_allows_nothing_is_named(service):
     asyncio.run(api._require_compilable(service, {"json": {"type": "object"}}, "structured_outputs"))
+    with pytest.raises(api.ApiError, match="guided_regex regex allows no output at all"):
+        asyncio.run(api._require_compilable(service, {"regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex"))
+    with pytest.raises(api.ApiError, match="guided_regex regex is not valid"):
+        asyncio.run(api._require_compilable(service, {"regex": "(ab"}, "guided_regex"))

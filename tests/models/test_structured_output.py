@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -70,6 +71,11 @@ def test_a_speculative_steps_rows_are_limited_as_one_token_at_a_time(smollm2_llm
     refused = state.next_token_bitmask([], [tok.encode(" the", add_special_tokens=False)[0], words[0]], 3)
     assert torch.equal(refused[1], refused[0]) and torch.equal(refused[2], refused[0])
     assert torch.equal(state.next_token_bitmask([], [], 1)[0], first[0])  # the drafts were rolled back
+    # A drafted stop token (ignore_eos goes on past it) ends the spec: the row after it is free,
+    # as one token at a time would have it.
+    yes = tok.encode("yes", add_special_tokens=False)
+    ended = GrammarState({"choice": ["yes"]}, tok, vocab).next_token_bitmask([], yes + [tok.eos_token_ids[0]], 2 + len(yes))
+    assert (ended[-1] == -1).all() and not (ended[-2] == -1).all()
     limited = process_logits(torch.randn(3, vocab), SamplingParams(structured_outputs=spec), [], [], words[:2],
                              grammar=state)
     allowed = torch.isfinite(limited)
@@ -95,14 +101,15 @@ def test_an_output_that_goes_back_is_followed_back(smollm2_llm):
     assert not state.finished
 
 
-def test_a_spec_left_with_no_token_by_other_bans_keeps_to_the_spec(smollm2_llm):
-    """allowed_token_ids that the spec never allows would leave no token at all (sampling from
-    none failed the whole step): the spec's limit alone applies there."""
+def test_a_spec_left_with_no_token_by_other_bans_is_refused_by_name(smollm2_llm):
+    """allowed_token_ids that the spec never allows leave no token at all: sampling from none
+    failed the whole step, and a token taken anyway would break the spec."""
     tok = smollm2_llm.tokenizer
     other = tok.encode(" banana", add_special_tokens=False)[0]
-    out = _generate(smollm2_llm, "The capital of France is", max_tokens=10, allowed_token_ids=[other],
-                    structured_outputs={"choice": ["London", "Paris"]})
-    assert out.text in ("London", "Paris")
+    vocab = smollm2_llm.model.config.vocab_size
+    params = SamplingParams(max_tokens=10, allowed_token_ids=[other], structured_outputs={"choice": ["London", "Paris"]})
+    with pytest.raises(ValueError, match="leaves no token to generate at output position 0"):
+        process_logits(torch.randn(1, vocab), params, [], [], grammar=GrammarState(params.structured_outputs, tok, vocab))
 
 
 def test_a_finished_spec_limits_nothing(smollm2_llm):
@@ -111,6 +118,8 @@ def test_a_finished_spec_limits_nothing(smollm2_llm):
     out = _generate(smollm2_llm, "Answer yes or no:", max_tokens=12, ignore_eos=True,
                     structured_outputs={"choice": ["yes"]})
     assert out.text.startswith("yes") and len(out.token_ids) == 12
+    eos = set(smollm2_llm.eos_token_ids)
+    assert any(t not in eos for t in out.token_ids[2:]), out.token_ids  # not EOS over and over
 
 
 def test_an_output_that_breaks_the_spec_is_named(smollm2_llm):
@@ -135,8 +144,76 @@ def test_an_output_that_breaks_the_spec_is_named(smollm2_llm):
 ])
 def test_bad_specs_are_refused_naming_the_problem(spec, fragment):
     with pytest.raises(ValueError) as refused:
-        SamplingParams(structured_outputs=spec)
+        check_spec(spec)
     assert fragment in str(refused.value)
+
+
+def test_sampling_params_check_the_shape_and_the_engine_parses(smollm2_llm):
+    """SamplingParams refuses a spec of the wrong shape at once; parsing (a large schema takes a
+    while) is left to where it is compiled, which refuses one that does not parse."""
+    with pytest.raises(ValueError, match="must name exactly one of"):
+        SamplingParams(structured_outputs={"regex": "a", "choice": ["a"]})
+    params = SamplingParams(structured_outputs={"regex": "(ab"})
+    with pytest.raises(ValueError, match="structured_outputs regex is not valid: Regex parsing error"):
+        smollm2_llm.add_request("hi", params)
+    assert not smollm2_llm.has_unfinished
+
+
+@pytest.mark.parametrize("schema, fragment", [
+    ({"allOf": [{"type": "string"}, {"enum": ["yes", "no"]}]}, "allOf with more than one schema"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "[a-z]+", "maxLength": 3}}},
+     "a pattern or format with minLength or maxLength"),
+    ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+    ({"type": "string", "format": "credit-card"}, "format 'credit-card'"),
+])
+def test_schema_constraints_xgrammar_would_ignore_are_refused(schema, fragment):
+    """Compiled, they were dropped: the output broke the schema ("maybe" for an enum in allOf)."""
+    with pytest.raises(ValueError, match="which is not enforced") as refused:
+        check_spec({"json": schema})
+    assert fragment in str(refused.value)
+
+
+def test_a_deeply_nested_schema_is_refused_before_it_is_parsed():
+    """vLLM's limit of 64 levels: parsing 600 took 10 s."""
+    deep: dict = {"type": "string"}
+    for _ in range(40):
+        deep = {"type": "object", "properties": {"a": deep}}
+    began = time.monotonic()
+    for spec in ({"json": deep}, {"json": json.dumps(deep)}, {"json": "[" * 5000 + "]" * 5000}):
+        with pytest.raises(ValueError, match="nests objects and arrays deeper than 64 levels"):
+            check_spec(spec)
+    assert time.monotonic() - began < 1.0
+    check_spec({"json": {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}}}})
+
+
+def test_a_spec_with_a_dead_end_fails_its_request_not_the_batch(smollm2_llm):
+    """A regex that parses but allows nothing after "a": the row left without a token raises
+    ValueError naming the position (sampling from it failed the whole step)."""
+    spec = {"regex": "a[^\\x00-\\U0010FFFF]"}
+    state = GrammarState(spec, smollm2_llm.tokenizer, smollm2_llm.model.config.vocab_size)
+    a = smollm2_llm.tokenizer.encode("a", add_special_tokens=False)
+    with pytest.raises(ValueError, match="leaves no token to generate at output position 1"):
+        process_logits(torch.randn(1, smollm2_llm.model.config.vocab_size), SamplingParams(structured_outputs=spec),
+                       [], a, grammar=state)
+    # In a verification step the draft that leads there is refused instead, and the step goes on
+    # where the spec has another way.
+    spec = {"regex": "a[^\\x00-\\U0010FFFF]|b"}
+    state = GrammarState(spec, smollm2_llm.tokenizer, smollm2_llm.model.config.vocab_size)
+    b = smollm2_llm.tokenizer.encode("b", add_special_tokens=False)
+    rows = process_logits(torch.randn(2, smollm2_llm.model.config.vocab_size), SamplingParams(structured_outputs=spec),
+                          [], [], a, grammar=state)
+    assert rows[0, a[0]] == float("-inf") and torch.isfinite(rows[0, b[0]]) and torch.isfinite(rows[1]).all()
+
+
+def test_stop_token_ids_are_the_specs_stop_tokens_too(smollm2_llm):
+    """As vLLM gives its matcher: a request's stop token may come only where the spec may end
+    (a newline stop id ended a JSON object after its "{")."""
+    tok = smollm2_llm.tokenizer
+    newline = tok.encode("\n", add_special_tokens=False)[0]
+    out = _generate(smollm2_llm, "Point as JSON: ", max_tokens=60, stop_token_ids=[newline],
+                    structured_outputs={"json_object": True})
+    assert isinstance(json.loads(out.text), dict) and out.finish_reason == "stop"
 
 
 def test_a_refusal_names_the_field_the_spec_came_from():

@@ -151,7 +151,8 @@ class LLM:
                 f"context of {self.max_model_len} tokens"
             )
         seq = Sequence(ids, params, request_id=request_id,
-                       grammar=GrammarState.for_params(params, self.tokenizer, self.model.config.vocab_size))
+                       grammar=GrammarState.for_params(params, self.tokenizer, self.model.config.vocab_size,
+                                                       self.eos_token_ids))
         if not params.greedy:
             seq.generator = make_generator(params.seed)
         self.scheduler.add(seq)
