@@ -4,6 +4,7 @@ single-process engine, resource accounting, and bad input."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -457,18 +458,52 @@ def test_a_request_id_already_in_the_engine_is_refused(smollm2_llm, store):
         engine.close()
 
 
-def test_a_first_token_its_structured_output_refuses_is_refused_at_admission(smollm2_llm, store):
+def test_a_first_token_its_structured_output_refuses_ends_that_request_alone(smollm2_llm, store):
     """A first token not chosen under the request's spec (a prefill that was not given it) cannot
-    go on under it: refused by name, and nothing is left in the engine."""
+    go on under it: the request ends with an error naming it, its store memory is given back, and
+    the engine goes on."""
     client = connect(store)
     engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, DecodeConfig(kv_pool_gb=0.1, budget_tokens=64))
     try:
         prefill = Prefiller(smollm2_llm.model, client).prefill("free-first", smollm2_llm.encode("def add(a, b):" * 20))
-        with pytest.raises(ValueError, match="does not follow the request's structured_outputs"):
-            engine.add(prefill, SamplingParams(max_tokens=4, structured_outputs={"choice": ["zzzz"]}))
-        assert not engine.waiting and not engine.running
+        engine.add(prefill, SamplingParams(max_tokens=4, structured_outputs={"choice": ["zzzz"]}))
+        (out,) = engine.run_to_completion().values()
+        assert out.finish_reason is None and "does not follow the request's structured_outputs" in out.error
+        assert store.stats().num_requests == 0
     finally:
-        client.free("free-first")
+        engine.close()
+
+
+def test_a_request_whose_spec_compiles_waits_while_the_batch_goes_on(smollm2_llm, store):
+    """A spec takes seconds to compile (Qwen's vocabulary: a string's maxLength of 500 took 6 s):
+    on the decode loop it stopped every request. The request waits for its compile; the free one
+    behind it decodes meanwhile; then it decodes under its spec."""
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, DecodeConfig(kv_pool_gb=0.1, budget_tokens=64))
+    prefiller = Prefiller(smollm2_llm.model, client, tokenizer=smollm2_llm.tokenizer)
+    # A bound no other test compiles (the compiler caches what it compiled): seconds on this machine.
+    spec = {"json": {"type": "string", "maxLength": 2999}}
+    try:
+        prompt = smollm2_llm.encode('Say "hi" as a JSON string: ')
+        # The prefill (in this process, whose compiler would then have it) gives the string's quote alone.
+        quote = smollm2_llm.tokenizer.encode('"', add_special_tokens=False)
+        first = prefiller.prefill("structured", prompt, SamplingParams(max_tokens=12, allowed_token_ids=quote))
+        engine.add(first, SamplingParams(max_tokens=12, structured_outputs=spec))
+        free = prefiller.prefill("free", smollm2_llm.encode("def add(a, b):"), SamplingParams(max_tokens=12))
+        engine.add(free, SamplingParams(max_tokens=12))
+        decoded_while_compiling, final = 0, {}
+        while any(r.request_id == "structured" for r in engine.waiting):
+            for out in engine.step():
+                decoded_while_compiling += len(out.new_token_ids) if out.request_id == "free" else 0
+                final.update({out.request_id: out} if out.finished else {})
+        assert decoded_while_compiling >= 4
+        final.update(engine.run_to_completion())
+        text = final["structured"].text
+        assert final["structured"].error is None and text.startswith('"')
+        assert isinstance(json.loads(text), str) if final["structured"].finish_reason == "stop" else '"' not in text[1:]
+        free_alone = smollm2_llm.generate([smollm2_llm.encode("def add(a, b):")], SamplingParams(max_tokens=12))[0]
+        assert final["free"].token_ids == free_alone.token_ids
+    finally:
         engine.close()
 
 
