@@ -6,9 +6,11 @@ per request limits each step's logits to the tokens that keep the output inside 
 
 A request's matcher follows its output (`GrammarState.sync`) rather than being told of each
 token, so each engine (the single-process `LLM`, the prefill's first token, the decode node's
-verification rows) needs only the output it already keeps, and a request moved to another worker
-rebuilds its state from its output. A speculative step's rows are limited by accepting the
-drafts in turn and rolling them back.
+verification rows, a draft model's drafts) needs only the output it already keeps; where the
+output goes back (a draft model's rejected drafts), so does the matcher. A speculative step's rows
+are limited by accepting the drafts in turn and rolling them back. EOS and the request's
+stop_token_ids are the matcher's stop tokens, as in vLLM: they may come only where the spec may
+end.
 """
 
 from __future__ import annotations
@@ -281,8 +283,9 @@ class GrammarState:
 
     def next_token_bitmask(self, output_ids: list[int], drafts: list[int], rows: int) -> torch.Tensor | None:
         """xgrammar's bitmask [rows, words] of the tokens allowed at each row: row i follows the
-        output and drafts[:i]. Rows after a draft the spec refuses (or a stop token) are never
-        used, as verification stops at that draft; they repeat its row. None when finished."""
+        output and drafts[:i]. Rows after a draft the spec refuses are never used, as verification
+        stops at that draft; they repeat its row. Rows after a drafted stop token (ignore_eos goes
+        on past it) allow every token, as the output is free there. None when finished."""
         import xgrammar as xgr
 
         self.sync(output_ids)
