@@ -1,5 +1,6 @@
 """Structured output (vLLM's `structured_outputs`, OpenAI's `response_format`): the output follows
-a JSON schema, any JSON object, a regular expression, one of several strings, or an EBNF grammar.
+a JSON schema, any JSON object, a regular expression, one of several strings, or a grammar (EBNF
+or Lark).
 
 xgrammar (vLLM's default backend) compiles the spec against the model's vocabulary, and a matcher
 per request limits each step's logits to the tokens that keep the output inside it.
@@ -41,7 +42,7 @@ _NATIVE_POSITION = re.compile(r"\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is fa
 
 def check_spec(spec, field: str = "structured_outputs", parse: bool = True) -> dict:
     """`spec` as a dict naming exactly one kind: {"json": schema (a dict or its JSON text)},
-    {"json_object": true}, {"regex": str}, {"choice": [str, ...]} or {"grammar": EBNF}. Raises
+    {"json_object": true}, {"regex": str}, {"choice": [str, ...]} or {"grammar": EBNF or Lark}. Raises
     ValueError naming what is wrong, its message beginning with `field` (the request field it came
     from). `parse`: parse it too (a schema, expression or grammar that does not parse is refused);
     parsing a large spec takes a while, which an API does off its event loop (`compile_spec`)."""
@@ -163,9 +164,15 @@ def _grammar(spec: dict):
             return xgr.Grammar.from_regex(value)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(_choice_ebnf(value))
-        return xgr.Grammar.from_ebnf(value)
+        return xgr.Grammar.from_lark(value) if _is_lark(value) else xgr.Grammar.from_ebnf(value)
     except RuntimeError as error:  # xgrammar raises RuntimeError for any spec it cannot parse
         raise ValueError(f"{kind} is not valid: {_native_message(error)}") from None
+
+
+def _is_lark(grammar: str) -> bool:
+    """A grammar with no EBNF rule ("name ::= ...") outside comments is read as Lark ("name: ..."),
+    as vLLM tells them apart."""
+    return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.splitlines())
 
 
 def _native_message(error: RuntimeError) -> str:

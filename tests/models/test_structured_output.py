@@ -36,6 +36,9 @@ def test_greedy_output_keeps_to_each_kind_of_spec(smollm2_llm):
     assert capital.text == "Paris" and capital.finish_reason == "stop"
     assert _generate(smollm2_llm, "Is the sky green?", max_tokens=10,
                      structured_outputs={"grammar": 'root ::= "yes" | "no"'}).text in ("yes", "no")
+    lark = 'start: answer "!"\n// a comment with ::= in it\nanswer: "yes" | "no"'  # Lark, as vLLM reads it
+    assert _generate(smollm2_llm, "Is the sky green?", max_tokens=10,
+                     structured_outputs={"grammar": lark}).text in ("yes!", "no!")
     # Free, the model writes no such number: the spec made the difference.
     assert not re.fullmatch(r"\d{3}-\d{4}", _generate(smollm2_llm, "My number is", max_tokens=20).text)
 
@@ -134,6 +137,7 @@ def test_an_output_that_breaks_the_spec_is_named(smollm2_llm):
     ({"json": "{not json"}, "structured_outputs json is not valid: Failed to parse JSON"),
     ({"regex": "(ab"}, "structured_outputs regex is not valid: Regex parsing error"),
     ({"grammar": "root ::= "}, "structured_outputs grammar is not valid: EBNF parser error"),
+    ({"grammar": "start: (("}, "structured_outputs grammar is not valid"),
     ({"choice": []}, "choice must be a non-empty list of non-empty strings"),
     ({"choice": ["a", ""]}, "choice must be a non-empty list of non-empty strings"),
     ({"json": 3}, "json must be a JSON schema"),
