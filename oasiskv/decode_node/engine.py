@@ -657,8 +657,8 @@ class DecodeEngine:
 
     def _fail(self, req: DecodeRequest, what: str, error: BaseException) -> DecodeOutput:
         """End one request that its store failed (a read, an extend or a write-back it needs), or
-        whose structured output could not go on, alone: the rest of the batch goes on. It keeps what it has emitted; its caller gets the
-        error instead of a finish."""
+        whose structured output could not go on, alone: the rest of the batch goes on. It keeps
+        what it has emitted; its caller gets the error instead of a finish."""
         log.warning("request %s: %s: %s", req.request_id, what, error)
         req.failure = error
         self._finish(req, "error", wait_for_free=not isinstance(error, StoreTimeout))

@@ -200,6 +200,11 @@ def test_a_spec_with_a_dead_end_fails_its_request_not_the_batch(smollm2_llm):
     with pytest.raises(ValueError, match="leaves no token to generate at output position 1"):
         process_logits(torch.randn(1, smollm2_llm.model.config.vocab_size), SamplingParams(structured_outputs=spec),
                        [], a, grammar=state)
+    # In the single-process engine it ends alone, sampled beside a free request.
+    dead, free = smollm2_llm.generate(["Say a", "Say a"], [
+        SamplingParams(max_tokens=8, temperature=1.0, seed=1, structured_outputs=spec), SamplingParams(max_tokens=8)])
+    assert dead.finish_reason == "error" and dead.token_ids == a
+    assert free.token_ids == smollm2_llm.generate(["Say a"], SamplingParams(max_tokens=8))[0].token_ids
     # In a verification step the draft that leads there is refused instead, and the step goes on
     # where the spec has another way.
     spec = {"regex": "a[^\\x00-\\U0010FFFF]|b"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ from .sequence import Sequence
 from .stopping import OutputText, finish_reason, request_eos_ids, visible_text
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+log = logging.getLogger("oasiskv.llm")
 
 
 class EmptyPromptError(ValueError):
@@ -183,18 +186,30 @@ class LLM:
         if not samplers:
             return []
         chosen_from = logits_rows
+        failed: set[int] = set()
         if any(seq.params.processed for seq in samplers):
             chosen_from = logits_rows.float().clone()  # the logprobs stay the raw logits'
             for row, seq in enumerate(samplers):
                 if seq.params.processed:
-                    chosen_from[row] = process_logits(logits_rows[row : row + 1], seq.params, seq.prompt_ids,
-                                                      seq.output_ids, eos_token_ids=self.eos_token_ids,
-                                                      grammar=seq.grammar)[0]
+                    try:
+                        chosen_from[row] = process_logits(logits_rows[row : row + 1], seq.params, seq.prompt_ids,
+                                                          seq.output_ids, eos_token_ids=self.eos_token_ids,
+                                                          grammar=seq.grammar)[0]
+                    except ValueError as error:  # its structured output leaves no token: it ends alone
+                        log.warning("request %s ended: %s", seq.request_id, error)
+                        failed.add(row)
         new_tokens = sample(chosen_from, [s.params for s in samplers], [s.generator for s in samplers])
+        outputs = []
         for row, (seq, token) in enumerate(zip(samplers, new_tokens)):
+            if row in failed:  # its row's sample is dropped
+                self.scheduler.finish(seq, "error")
+                outputs.append(RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.text, "error",
+                                             True, None if seq.params.logprobs is None else list(seq.logprobs)))
+                continue
             if seq.params.logprobs is not None:
                 seq.logprobs += token_logprobs(logits_rows[row : row + 1], [token], seq.params.logprobs)
-        return [self._append(seq, token) for seq, token in zip(samplers, new_tokens)]
+            outputs.append(self._append(seq, token))
+        return outputs
 
     def _run_model(self, batch: ScheduledBatch):
         ids, positions, sample_rows = [], [], []
