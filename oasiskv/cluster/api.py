@@ -328,8 +328,13 @@ async def _require_compilable(service: ClusterService, spec: dict, field: str) -
 
     done = loop.run_in_executor(_GRAMMAR_CHECKS, check)
     try:
-        # The limit counts from when the compile starts: time queued behind others is not the spec's.
-        await asyncio.wait({started, done}, return_when=asyncio.FIRST_COMPLETED)
+        # The limit counts from when the compile starts: time queued behind others is not the
+        # spec's. The queue has its own limit: compiles that ran over go on in their threads.
+        await asyncio.wait({started, done}, timeout=COMPILE_LIMIT_S, return_when=asyncio.FIRST_COMPLETED)
+        if not started.done() and not done.done():
+            done.cancel()
+            raise ApiError(503, "the structured output checks are busy with other specs; retry the request",
+                           "service_unavailable", field, headers={"Retry-After": "10"})
         await asyncio.wait_for(done, COMPILE_LIMIT_S)
     except (TimeoutError, asyncio.TimeoutError):
         _TOO_SLOW[digest] = None

@@ -165,6 +165,8 @@ class _SamplingFields(_Lenient):
             if not isinstance(described, dict) or not isinstance(described.get("schema"), dict):
                 raise ValueError("response_format json_schema must be an object with the schema under 'schema', "
                                  f"got {described!r}")
+            if not isinstance(described.get("name"), str) or not described["name"]:  # OpenAI's and vLLM's rule
+                raise ValueError("response_format json_schema needs a 'name'")
             spec["json"] = described["schema"]
         if not spec:
             if self.structured_outputs is not None:  # as vLLM: options alone, or {}, ask for nothing

@@ -171,10 +171,10 @@ class DraftModelDrafter:
                     try:
                         row = process_logits(row[None], p, prompt, output + tokens[i], eos_token_ids=eos_token_ids,
                                              grammar=state.grammar)[0]
-                    except ValueError as error:  # the target's output left the spec: its verification says why
-                        log.warning("request %s: drafting blind to its structured output: %s", request_ids[i], error)
-                        state.grammar = None
-                        row = process_logits(row[None], p, prompt, output + tokens[i], eos_token_ids=eos_token_ids)[0]
+                    except ValueError:  # the spec allows nothing here: no further drafts this step
+                        ready[i] = False
+                        next_tokens.append([])
+                        continue
                 if p.greedy:
                     token = int(row.argmax())
                 else:

@@ -35,7 +35,7 @@ from ..models.sampling import (
     stream_seed,
     token_logprobs,
 )
-from ..models.structured_output import GrammarState
+from ..models.structured_output import COMPILE_LIMIT_S, GrammarState
 from ..models.transformer import DecoderModel
 from .attention import SparseAttention, StepRequest
 from .config import DecodeConfig
@@ -52,6 +52,9 @@ log = logging.getLogger("oasiskv.decode")
 # rows in quarantine) before it returns. Admissions: requests that arrived together start as
 # one batch, and one store that does not answer holds the others up no longer than this.
 IDLE_WAIT_S = 0.2
+# How long a request's structured output may take to compile here before the request fails: the
+# API refuses a spec that took over COMPILE_LIMIT_S there, and this worker's load may differ.
+GRAMMAR_COMPILE_TIMEOUT_S = 3 * COMPILE_LIMIT_S
 # How long a finish waits for its store free to be answered (a healthy store answers in about a
 # millisecond) before its final output goes out anyway: the most a store that does not answer
 # holds up the decode loop per finished request.
@@ -102,6 +105,7 @@ class DecodeRequest:
     generator: torch.Generator | None = None
     grammar: GrammarState | None = None  # its structured output's matcher
     grammar_compile: Future | None = None  # while its spec compiles (it waits, the batch goes on)
+    grammar_deadline: float = 0.0  # when a compile still running fails the request
     text: str = ""
     finish_reason: str | None = None
     write_backs: list[WriteBack] = field(default_factory=list)
@@ -170,7 +174,7 @@ class DecodeEngine:
         self.drafter = drafter if drafter is not None else NgramDrafter()
         self.eos_token_ids = request_eos_ids(mc, tokenizer)
         self.waiting: deque[DecodeRequest] = deque()
-        self._grammar_compiles = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._grammar_compiles = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
         self.admitting: list[DecodeRequest] = []  # given their rows; their first reads in flight
         self.running: list[DecodeRequest] = []
         # (pool rows, transfers that may still write into them): rows of requests that ended
@@ -214,17 +218,18 @@ class DecodeEngine:
         req = DecodeRequest(prefill.request_id, list(prefill.prompt_ids), params, [prefill.first_token],
                             prefill.initial_selection, num_kv=len(prefill.prompt_ids), mode=mode,
                             summary_kind=prefill.layout.summary_kind, plan=plan)
-        if params.structured_outputs is not None:
-            # Compiled on a thread: against Qwen's vocabulary a schema takes seconds, and the
-            # batch would stop for them. The request waits for it; the ones behind it go first.
-            req.grammar_compile = self._grammar_compiles.submit(self._compile_grammar, params, req.output_ids)
         if not params.greedy:
             req.generator = make_generator(None if params.seed is None else stream_seed(params.seed, "verify"))
-        self.waiting.append(req)
         # The first token may already end the request.
         reason = finish_reason(prefill.first_token, 1, params, self.eos_token_ids, False)
         req.output_text = OutputText(self.tokenizer, params.skip_special_tokens)
         req.text, req.finish_reason = visible_text(req.output_text, req.output_ids, params, reason, self.eos_token_ids)
+        if params.structured_outputs is not None and not req.finish_reason:
+            # Compiled on a thread: against Qwen's vocabulary a schema takes seconds, and the
+            # batch would stop for them. The request waits for it; the ones behind it go first.
+            req.grammar_compile = self._grammar_compiles.submit(self._compile_grammar, params, req.output_ids)
+            req.grammar_deadline = time.monotonic() + GRAMMAR_COMPILE_TIMEOUT_S
+        self.waiting.append(req)
         return req.request_id
 
     _SHARED_LAYOUT = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
@@ -247,20 +252,24 @@ class DecodeEngine:
         grammar.sync(output_ids)
         return grammar
 
-    def _grammar_ready(self, req: DecodeRequest) -> bool:
-        """Whether the request's structured output (if any) has compiled; one that failed ends the
-        request (`_admit_waiting`)."""
+    def _take_compiled(self, req: DecodeRequest) -> None:
+        """Take the request's structured output once its compile has ended; one that failed, or
+        that still runs past its deadline, sets the request's failure (`_admit_waiting` ends it)."""
         future = req.grammar_compile
         if future is None:
-            return True
+            return
         if not future.done():
-            return False
+            if time.monotonic() > req.grammar_deadline:
+                future.cancel()  # if it has not started; a running compile ends in its thread
+                req.grammar_compile = None
+                req.failure = TimeoutError(f"its structured output took over {GRAMMAR_COMPILE_TIMEOUT_S:g} s to "
+                                           "compile on this worker")
+            return
         req.grammar_compile = None
         try:
             req.grammar = future.result()
         except Exception as error:  # a spec its first token breaks, or that does not compile here
             req.failure = error
-        return True
 
     def _admit_waiting(self) -> list[DecodeOutput]:
         """End the queued requests that ended at their first token, wherever they wait (they need
@@ -268,7 +277,9 @@ class DecodeEngine:
         structured output failed, then start the admission of the queued requests that fit, in
         order; one whose structured output is compiling lets those behind it go first."""
         finished = []
-        for req in [r for r in self.waiting if self._grammar_ready(r) and r.failure is not None]:
+        for req in self.waiting:  # once, here: a compile that ends later is taken at the next step
+            self._take_compiled(req)
+        for req in [r for r in self.waiting if r.failure is not None]:
             self.waiting.remove(req)
             self._free_in_store(req.request_id)
             log.warning("request %s: its structured output failed: %s", req.request_id, req.failure)
@@ -287,7 +298,7 @@ class DecodeEngine:
         for req in list(self.waiting):
             if len(self.running) + len(self.admitting) >= self.config.max_num_seqs:
                 break
-            if not self._grammar_ready(req):
+            if req.grammar_compile is not None:
                 continue
             if req.plan.total > self.pool.allocator.num_free:
                 break
@@ -464,6 +475,14 @@ class DecodeEngine:
                     outputs.append(self._fail(req, "its structured output could not go on", error))
                     continue
             emitted = verify(chosen_from, draft, req.params, req.generator)
+            if req.grammar is not None and req.grammar.dead_row is not None and len(emitted) > req.grammar.dead_row:
+                # Its accepted drafts reached a row the spec left without a token: one token at a
+                # time would have failed there too.
+                start += rows
+                outputs.append(self._fail(req, "its structured output could not go on", ValueError(
+                    f"the structured output, with the request's other limits, leaves no token to generate at output "
+                    f"position {len(req.output_ids) + req.grammar.dead_row}")))
+                continue
             # Emitted token i was chosen from row i (the last one the correction or bonus).
             logprobs = (None if req.params.logprobs is None
                         else token_logprobs(logits[start : start + rows], emitted, req.params.logprobs))
@@ -700,6 +719,8 @@ class DecodeEngine:
         for req in list(self.waiting):
             if req.request_id == request_id:
                 self.waiting.remove(req)
+                if req.grammar_compile is not None:
+                    req.grammar_compile.cancel()  # if it has not started: the next one's compile goes first
                 self._free_in_store(request_id, wait=False)
                 return
         for req in (*self.admitting, *self.running):
@@ -723,6 +744,8 @@ class DecodeEngine:
 
         while self.waiting:
             req = self.waiting.popleft()
+            if req.grammar_compile is not None:
+                req.grammar_compile.cancel()
             req.finish_reason = req.finish_reason or "abort"
             aborted.append(req.request_id)
             attempt(self._free_in_store, req.request_id)

@@ -331,24 +331,22 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
 def _limit_to_grammar(logits: torch.Tensor, grammar: GrammarState, output_ids: list[int], drafts: list[int]) -> None:
     """The structured output's limit, last, in place. A row it leaves no token (a spec with a dead
     end, or one that with the other bans allows nothing there: min_tokens' ban of EOS where only
-    EOS may follow, say) refuses the draft that led there, so verification stops before it (the
-    row itself, never used then, is made finite); the first row left without a token raises
-    ValueError. Sampling from no token failed the whole decode step, and any token taken instead
-    would break the spec."""
-    drafts = list(drafts[: logits.shape[0] - 1])
-    bitmask = grammar.next_token_bitmask(output_ids, drafts, logits.shape[0])
+    EOS may follow, say): the first row raises ValueError; a later one is made finite and noted in
+    `grammar.dead_row`, where verification must not go (the decode engine fails the request if
+    its accepted drafts reach it, as one token at a time would). Sampling from no token failed
+    the whole decode step, and any token taken instead would break the spec."""
+    grammar.dead_row = None
+    bitmask = grammar.next_token_bitmask(output_ids, list(drafts[: logits.shape[0] - 1]), logits.shape[0])
     if bitmask is None:
         return
     apply_bitmask(logits, bitmask)
-    empty = (logits.amax(dim=-1) == float("-inf")).tolist()
-    for row in range(len(empty) - 1, 0, -1):
-        if empty[row]:
-            logits[row] = 0.0
-            logits[row - 1, drafts[row - 1]] = float("-inf")
-            empty[row - 1] = bool(logits[row - 1].amax() == float("-inf"))
-    if empty[0]:
+    empty = (logits.amax(dim=-1) == float("-inf")).nonzero().flatten().tolist()
+    if empty and empty[0] == 0:
         raise ValueError(f"the structured output, with the request's other limits, leaves no token to generate "
                          f"at output position {len(output_ids)}")
+    if empty:
+        grammar.dead_row = empty[0]
+        logits[empty] = 0.0
 
 
 def _ban_bad_words(logits: torch.Tensor, sequences: list[list[int]], generated: list[int], base: int,

@@ -59,7 +59,7 @@ def check_spec(spec, field: str = "structured_outputs", parse: bool = True) -> d
 def _checked(spec) -> dict:
     if not isinstance(spec, dict):
         raise ValueError(f"must be an object naming one of {', '.join(SPEC_KINDS)}, got {spec!r}")
-    given = {key: value for key, value in spec.items() if value is not None and value is not False}
+    given = {key: value for key, value in spec.items() if value is not None}  # as vLLM: false names a kind too
     unknown = sorted(set(given) - set(SPEC_KINDS))
     if unknown:
         raise ValueError(f"{unknown[0]!r} is not supported (one of {', '.join(SPEC_KINDS)})")
@@ -256,6 +256,9 @@ class GrammarState:
         self.vocab_size = vocab_size
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None, max_rollback_tokens=-1)
         self._taken: list[int] = []  # the output tokens the matcher has taken
+        # The first row of the last step's limit that allowed no token (set by process_logits),
+        # which verification must not reach; None: none.
+        self.dead_row: int | None = None
 
     @classmethod
     def for_params(cls, params, tokenizer, vocab_size: int, eos_token_ids=None) -> GrammarState | None:
@@ -320,6 +323,6 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """-inf, in place, for the tokens a row's bitmask leaves out (logits [rows, V] on any device;
     bit j of little-endian int32 word w allows token 32w + j). Unpacked by numpy on the host:
     with xgrammar's CPU kernel, applying it took 5x as long (bench/structured_output.py)."""
-    words = bitmask.cpu().contiguous().numpy().view(np.uint8)
+    words = bitmask.cpu().numpy().astype("<i4", copy=False).view(np.uint8)  # little-endian on any host
     allowed = torch.from_numpy(np.unpackbits(words, axis=-1, bitorder="little")[:, : logits.shape[-1]].view(bool))
     logits.masked_fill_(~allowed.to(logits.device), float("-inf"))

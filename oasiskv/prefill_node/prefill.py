@@ -128,6 +128,7 @@ class Prefiller:
         excluded_head_blocks: int = 1,
         excluded_tail_blocks: int = 4,
         cancelled: Callable[[], bool] | None = None,
+        grammar: GrammarState | None = None,
     ) -> PrefillResult:
         """Prefill `prompt_ids`, write its KV to the store under `request_id`, sample the first token.
 
@@ -143,8 +144,10 @@ class Prefiller:
         if any(not 0 <= t < config.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {config.vocab_size}) for this model")
         require_known_tokens(params, config.vocab_size, self.eos_token_ids)
-        # Compiled on a thread while the prompt is computed: a schema takes seconds against Qwen's vocabulary.
-        grammar_compile = (None if params.structured_outputs is None else _GRAMMAR_COMPILES.submit(
+        # `grammar`: the request's structured output, compiled by the caller (the worker, before it
+        # takes its turn). Else compiled on a thread while the prompt is computed: a schema takes
+        # seconds against Qwen's vocabulary.
+        grammar_compile = (None if params.structured_outputs is None or grammar is not None else _GRAMMAR_COMPILES.submit(
             GrammarState.for_params, params, self.tokenizer, config.vocab_size, self.eos_token_ids))
         if num_tokens >= config.max_position_embeddings:
             raise ValueError(f"the prompt ({num_tokens} tokens) leaves no room in the model's context of "
@@ -185,7 +188,7 @@ class Prefiller:
                     prompt_logprobs += self._prompt_logprobs(hidden, prompt_ids[start + 1 : end + 1], params.prompt_logprobs)
             logits = model.compute_logits(hidden[-1:]).cpu()  # sampled with a CPU generator, as the decode node does
             generator = None if params.greedy else make_generator(params.seed)
-            grammar = None if grammar_compile is None else grammar_compile.result()
+            grammar = grammar if grammar_compile is None else grammar_compile.result()
             chosen_from = (process_logits(logits, params, prompt_ids, [], eos_token_ids=self.eos_token_ids,
                                           grammar=grammar) if params.processed else logits)
             first = sample(chosen_from, [params], [generator])[0]

@@ -12,9 +12,11 @@ import torch
 from ..kvstore import DEFAULT_SUMMARY_KIND, connect
 from ..models.cpus import worker_threads
 from ..models.device import require_device
+from ..models.engine.stopping import request_eos_ids
 from ..models.loader import load_model_dir
 from ..models.pull import resolve_model
 from ..models.sampling import SamplingParams
+from ..models.structured_output import GrammarState
 from ..models.tokenizer import load_tokenizer
 from .cancellation import Cancellations, raise_if
 from .prefill import Prefiller, PrefillResult, kv_layout_for
@@ -59,12 +61,18 @@ class PrefillWorker:
 
     def prefill(self, request_id: str, prompt_ids: list[int], params: dict, store_address: str,
                 budget_blocks: int, sink_blocks: int, window_blocks: int) -> PrefillResult:
-        with self.cancellations.tracking(request_id) as cancelled, self._lock:
-            raise_if(cancelled, request_id)  # cancelled while it waited for the prefills before it
-            return self._prefiller(store_address).prefill(
-                request_id, prompt_ids, SamplingParams(**params), budget_blocks=budget_blocks,
-                excluded_head_blocks=sink_blocks, excluded_tail_blocks=window_blocks, cancelled=cancelled,
-            )
+        sampling = SamplingParams(**params)
+        with self.cancellations.tracking(request_id) as cancelled:
+            # A structured output compiles before the prefill takes its turn: a schema takes seconds
+            # against Qwen's vocabulary, and every other prompt waited behind it.
+            grammar = GrammarState.for_params(sampling, self.tokenizer, self.model.config.vocab_size,
+                                              request_eos_ids(self.model.config, self.tokenizer))
+            with self._lock:
+                raise_if(cancelled, request_id)  # cancelled while it waited for the prefills before it
+                return self._prefiller(store_address).prefill(
+                    request_id, prompt_ids, sampling, budget_blocks=budget_blocks, excluded_head_blocks=sink_blocks,
+                    excluded_tail_blocks=window_blocks, cancelled=cancelled, grammar=grammar,
+                )
 
     def cancel(self, request_id: str) -> bool:
         """Stop the prefill of `request_id` at its next chunk (or before it starts); its KV is

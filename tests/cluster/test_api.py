@@ -600,6 +600,8 @@ def test_bad_requests_get_openai_errors(server, body, status, fragment):
     [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
          "response_format json_schema must be an object with the schema under 'schema'"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, 400,
+         "response_format json_schema needs a 'name'"),
         ({"response_format": {"type": "structural_tag"}}, 400, "response_format 'structural_tag' is not supported"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}, 400, "lone surrogate"),

@@ -4,6 +4,8 @@ spec that compiles slower than the limit is a 400 before any worker spends the t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import threading
 import time
 from types import SimpleNamespace
 
@@ -32,7 +34,7 @@ def test_a_spec_that_compiles_too_slowly_is_refused_in_time(service, monkeypatch
     assert waited < 2.0
     assert error.status == 400 and error.param == "response_format"
     assert "response_format takes over 0.3 s to compile" in error.message
-    # Sent again once the compile has ended (and cached its grammar), it is still refused, at once.
+    # Sent again (the compile goes on in its thread, and then caches its grammar), it is refused at once.
     waited, error = asyncio.run(refusal())
     assert waited < 0.1 and "takes over 0.3 s" in error.message
 
@@ -42,3 +44,22 @@ def test_a_spec_within_the_limit_passes_and_one_that_allows_nothing_is_named(ser
         asyncio.run(api._require_compilable(service, {"regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex"))
     with pytest.raises(api.ApiError, match="guided_regex regex is not valid"):
         asyncio.run(api._require_compilable(service, {"regex": "(ab"}, "guided_regex"))
+
+
+def test_a_check_queued_too_long_behind_others_is_a_503(service, monkeypatch):
+    """Compiles that ran over go on in their threads; a spec queued behind them past the limit is
+    told to retry (503), not refused for good."""
+    busy = concurrent.futures.ThreadPoolExecutor(1)
+    release = threading.Event()
+    busy.submit(release.wait, 30)
+    monkeypatch.setattr(api, "_GRAMMAR_CHECKS", busy)
+    monkeypatch.setattr(api, "COMPILE_LIMIT_S", 0.3)
+    try:
+        with pytest.raises(api.ApiError) as refused:
+            asyncio.run(api._require_compilable(service, {"regex": "[a-z]{1,9}"}, "structured_outputs"))
+        assert refused.value.status == 503 and "busy" in refused.value.message
+    finally:
+        release.set()
+        busy.shutdown()
+    monkeypatch.setattr(api, "_GRAMMAR_CHECKS", concurrent.futures.ThreadPoolExecutor(1))
+    asyncio.run(api._require_compilable(service, {"regex": "[a-z]{1,9}"}, "structured_outputs"))  # not remembered

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 
 import pytest
 import torch
@@ -481,8 +482,10 @@ def test_a_request_whose_spec_compiles_waits_while_the_batch_goes_on(smollm2_llm
     client = connect(store)
     engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, DecodeConfig(kv_pool_gb=0.1, budget_tokens=64))
     prefiller = Prefiller(smollm2_llm.model, client, tokenizer=smollm2_llm.tokenizer)
-    # A bound no other test compiles (the compiler caches what it compiled): seconds on this machine.
-    spec = {"json": {"type": "string", "maxLength": 2999}}
+    spec = {"json": {"type": "string", "maxLength": 40}}
+    compile_may_end = threading.Event()  # the compile lasts until the free request has decoded
+    compile_grammar = engine._compile_grammar
+    engine._compile_grammar = lambda *args: compile_may_end.wait(30) and compile_grammar(*args)
     try:
         prompt = smollm2_llm.encode('Say "hi" as a JSON string: ')
         # The prefill (in this process, whose compiler would then have it) gives the string's quote alone.
@@ -492,11 +495,13 @@ def test_a_request_whose_spec_compiles_waits_while_the_batch_goes_on(smollm2_llm
         free = prefiller.prefill("free", smollm2_llm.encode("def add(a, b):"), SamplingParams(max_tokens=12))
         engine.add(free, SamplingParams(max_tokens=12))
         decoded_while_compiling, final = 0, {}
-        while any(r.request_id == "structured" for r in engine.waiting):
+        while "free" not in final:
             for out in engine.step():
                 decoded_while_compiling += len(out.new_token_ids) if out.request_id == "free" else 0
                 final.update({out.request_id: out} if out.finished else {})
-        assert decoded_while_compiling >= 4
+            assert any(r.request_id == "structured" for r in engine.waiting)
+        assert decoded_while_compiling == 11  # all but the prefill's first token
+        compile_may_end.set()
         final.update(engine.run_to_completion())
         text = final["structured"].text
         assert final["structured"].error is None and text.startswith('"')
@@ -504,6 +509,33 @@ def test_a_request_whose_spec_compiles_waits_while_the_batch_goes_on(smollm2_llm
         free_alone = smollm2_llm.generate([smollm2_llm.encode("def add(a, b):")], SamplingParams(max_tokens=12))[0]
         assert final["free"].token_ids == free_alone.token_ids
     finally:
+        engine.close()
+
+
+def test_a_request_whose_spec_still_compiles_can_be_aborted_or_time_out(smollm2_llm, store):
+    """A compile cannot be stopped once it runs: the request it was for is aborted, or fails
+    past its deadline, and gives its store memory back; nothing is left waiting."""
+    client = connect(store)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, DecodeConfig(kv_pool_gb=0.1, budget_tokens=64))
+    prefiller = Prefiller(smollm2_llm.model, client, tokenizer=smollm2_llm.tokenizer)
+    compile_may_end = threading.Event()
+    compile_grammar = engine._compile_grammar
+    engine._compile_grammar = lambda *args: compile_may_end.wait(30) and compile_grammar(*args)
+    spec = {"regex": "[a-z ]{1,30}"}
+    try:
+        for name in ("aborted", "late"):
+            first = prefiller.prefill(name, smollm2_llm.encode("hello"), SamplingParams(max_tokens=8, structured_outputs=spec))
+            engine.add(first, SamplingParams(max_tokens=8, structured_outputs=spec))
+        engine.step()
+        engine.abort("aborted")
+        next(r for r in engine.waiting if r.request_id == "late").grammar_deadline = 0.0
+        (late,) = [o for o in engine.step() if o.finished]
+        assert late.request_id == "late" and "took over 30 s to compile on this worker" in late.error
+        assert not engine.has_unfinished
+        engine.settle(5.0)
+        assert store.stats().num_requests == 0
+    finally:
+        compile_may_end.set()
         engine.close()
 
 

@@ -142,6 +142,7 @@ def test_an_output_that_breaks_the_spec_is_named(smollm2_llm):
     ({"choice": ["a", ""]}, "choice must be a non-empty list of non-empty strings"),
     ({"json": 3}, "json must be a JSON schema"),
     ({"regex": "a", "choice": ["a"]}, "must name exactly one of json, json_object, regex, choice, grammar"),
+    ({"regex": "a", "json_object": False}, "must name exactly one of"),  # as vLLM: false names it too
     ({}, "got none"),
     ({"lark": "start: x"}, "'lark' is not supported"),
     ("json", "must be an object naming one of"),
@@ -205,24 +206,36 @@ def test_a_spec_with_a_dead_end_fails_its_request_not_the_batch(smollm2_llm):
         SamplingParams(max_tokens=8, temperature=1.0, seed=1, structured_outputs=spec), SamplingParams(max_tokens=8)])
     assert dead.finish_reason == "error" and dead.token_ids == a
     assert free.token_ids == smollm2_llm.generate(["Say a"], SamplingParams(max_tokens=8))[0].token_ids
-    # In a verification step the draft that leads there is refused instead, and the step goes on
-    # where the spec has another way.
+    # In a verification step a later row left without a token is made finite and noted: the rows
+    # before it are as one token at a time has them ("a" stays possible), and the decode engine
+    # fails the request only if its accepted drafts reach that row.
     spec = {"regex": "a[^\\x00-\\U0010FFFF]|b"}
     state = GrammarState(spec, smollm2_llm.tokenizer, smollm2_llm.model.config.vocab_size)
     b = smollm2_llm.tokenizer.encode("b", add_special_tokens=False)
     rows = process_logits(torch.randn(2, smollm2_llm.model.config.vocab_size), SamplingParams(structured_outputs=spec),
                           [], [], a, grammar=state)
-    assert rows[0, a[0]] == float("-inf") and torch.isfinite(rows[0, b[0]]) and torch.isfinite(rows[1]).all()
+    assert torch.isfinite(rows[0, a[0]]) and torch.isfinite(rows[0, b[0]]) and torch.isfinite(rows[1]).all()
+    assert state.dead_row == 1
+    process_logits(torch.randn(1, smollm2_llm.model.config.vocab_size), SamplingParams(structured_outputs=spec),
+                   [], [], grammar=state)
+    assert state.dead_row is None
 
 
 def test_stop_token_ids_are_the_specs_stop_tokens_too(smollm2_llm):
-    """As vLLM gives its matcher: a request's stop token may come only where the spec may end
-    (a newline stop id ended a JSON object after its "{")."""
-    tok = smollm2_llm.tokenizer
+    """As vLLM gives its matcher: a request's stop token may come only where the spec may end (a
+    newline stop id ended a JSON object right after its "{"; JSON's whitespace allows a newline
+    there)."""
+    tok, vocab = smollm2_llm.tokenizer, smollm2_llm.model.config.vocab_size
     newline = tok.encode("\n", add_special_tokens=False)[0]
-    out = _generate(smollm2_llm, "Point as JSON: ", max_tokens=60, stop_token_ids=[newline],
-                    structured_outputs={"json_object": True})
-    assert isinstance(json.loads(out.text), dict) and out.finish_reason == "stop"
+    params = SamplingParams(stop_token_ids=[newline], structured_outputs={"json_object": True})
+    opened, closed = tok.encode("{", add_special_tokens=False), tok.encode("{}", add_special_tokens=False)
+
+    def allowed(state, output) -> bool:
+        return bool(torch.isfinite(process_logits(torch.zeros(1, vocab), params, [], output, grammar=state)[0, newline]))
+
+    assert allowed(GrammarState({"json_object": True}, tok, vocab), opened)  # as whitespace, without the stop
+    with_stop = GrammarState.for_params(params, tok, vocab, smollm2_llm.eos_token_ids)
+    assert not allowed(with_stop, opened) and allowed(with_stop, closed)
 
 
 def test_a_refusal_names_the_field_the_spec_came_from():
