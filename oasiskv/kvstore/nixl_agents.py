@@ -21,12 +21,14 @@ Measured facts this relies on (nixl-cu12 1.5.1 on CPU, host memory):
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -36,6 +38,25 @@ from .errors import InvalidArgument, TransferError
 from .store import KVStore
 
 log = logging.getLogger(__name__)
+
+# Objects whose daemon threads call into NIXL on their own (`stop_polling`), stopped before the
+# interpreter finalizes: a thread inside a NIXL call then (the binding lets go of the GIL) cannot
+# take the GIL back, and pybind11 aborted the process as Python ended the thread (a CI run whose
+# tests had all passed ended with SIGABRT).
+_POLLERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def stop_polling_at_exit(poller) -> None:
+    _POLLERS.add(poller)
+
+
+@atexit.register
+def _stop_pollers() -> None:
+    for poller in list(_POLLERS):
+        try:
+            poller.stop_polling(wait_s=2.0)
+        except Exception as exc:  # exiting: nothing else to do about it
+            log.debug("stopping %r at exit: %s", poller, exc)
 
 
 def nixl_available() -> bool:
@@ -101,6 +122,7 @@ class NixlTarget:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="kvstore-nixl", daemon=True)
         self._thread.start()
+        stop_polling_at_exit(self)
         store.release_listeners.append(self._on_release)
 
     def add_peer(self, metadata: bytes) -> str:
@@ -137,9 +159,12 @@ class NixlTarget:
             if on_last is not None:
                 on_last()
 
-    def close(self) -> None:
+    def stop_polling(self, wait_s: float = 5.0) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=wait_s)
+
+    def close(self) -> None:
+        self.stop_polling()
         try:
             self.store.release_listeners.remove(self._on_release)
         except ValueError:

@@ -27,7 +27,7 @@ import torch
 from .errors import InvalidArgument, KVStoreError, ProtocolError, StoreTimeout, StoreUnavailable, TransferError
 from .hostmem import merge_runs
 from .layout import KVLayout
-from .nixl_agents import NixlInitiator, StaleConnection, nixl_available, nixl_errors
+from .nixl_agents import NixlInitiator, StaleConnection, nixl_available, nixl_errors, stop_polling_at_exit
 from .protocol import index_payload
 from .store import RequestInfo
 from .tcp import TcpTransport, _read_all, described
@@ -147,6 +147,7 @@ class NixlTransport(TcpTransport):
         self._report_interval = min(1.0, float(self.hello.get("ttl_s", 600.0)) / 4)
         self._reporter = threading.Thread(target=self._report_loop, name="kvstore-nixl-report", daemon=True)
         self._reporter.start()
+        stop_polling_at_exit(self)
 
     def _hello_request(self) -> tuple[dict[str, Any], list[Any]]:
         # The store drops this client's holds on hello: free notices sent while it was away are
@@ -396,12 +397,16 @@ class NixlTransport(TcpTransport):
             log.debug("read report not delivered: %s", exc)
         return True
 
+    def stop_polling(self, wait_s: float | None = None) -> None:
+        """Stop the report thread (at exit too: `nixl_agents.stop_polling_at_exit`)."""
+        self._stop_reports.set()
+        if self._reporter is not None:
+            self._reporter.join(timeout=2 * self.timeout if wait_s is None else wait_s)
+
     def close(self) -> None:
         if self._closed:
             return
-        self._stop_reports.set()
-        if self._reporter is not None:
-            self._reporter.join(timeout=2 * self.timeout)
+        self.stop_polling()
         self._settle_orphans()
         self._report_reads(wait=True, closing=True)
         super().close()
