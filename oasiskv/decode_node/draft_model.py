@@ -86,7 +86,8 @@ class DraftModelDrafter:
             return position
         return self.sink_tokens + (position - self.sink_tokens) % self.ring
 
-    def _state(self, request_id: str, params: SamplingParams, eos_token_ids=()) -> _DraftState:
+    def _state(self, request_id: str, params: SamplingParams, eos_token_ids=(),
+               grammar: GrammarState | None = None) -> _DraftState:
         if request_id not in self.states:
             if len(self.states) >= self.max_requests:
                 raise RuntimeError(f"the draft model's KV holds {self.max_requests} requests and all are in use; "
@@ -96,12 +97,17 @@ class DraftModelDrafter:
             seed = None if params.seed is None else stream_seed(params.seed, "draft")
             generator = None if params.greedy else make_generator(seed)
             self.states[request_id] = _DraftState(region, torch.full((len(region),), PAD_POSITION), [], generator,
-                                                  self._grammar(request_id, params, eos_token_ids))
+                                                  self._grammar(request_id, params, eos_token_ids, grammar))
         return self.states[request_id]
 
-    def _grammar(self, request_id: str, params: SamplingParams, eos_token_ids) -> GrammarState | None:
+    def _grammar(self, request_id: str, params: SamplingParams, eos_token_ids,
+                 compiled: GrammarState | None) -> GrammarState | None:
         """Drafts under the request's spec, as the target verifies them: blind ones were mostly
-        refused. Without the target's tokenizer, or a spec that does not compile, it drafts blind."""
+        refused. `compiled`: the engine's state for it, whose compiled spec is shared. Without it,
+        the spec is compiled here; without the target's tokenizer, or a spec that does not
+        compile, it drafts blind."""
+        if compiled is not None:
+            return compiled.fresh_copy()
         if params.structured_outputs is None or self.target_tokenizer is None:
             return None
         try:
@@ -112,10 +118,11 @@ class DraftModelDrafter:
 
     @torch.inference_mode()
     def propose(self, request_ids: list[str], histories: list[list[int]], k: int, params: list[SamplingParams], *,
-                prompt_lengths: list[int] | None = None, eos_token_ids=()) -> list[Draft]:
+                prompt_lengths: list[int] | None = None, eos_token_ids=(), grammars=None) -> list[Draft]:
         if k == 0:
             return [Draft([]) for _ in histories]
-        states = [self._state(r, p, eos_token_ids) for r, p in zip(request_ids, params)]
+        grammars = grammars or [None] * len(request_ids)
+        states = [self._state(r, p, eos_token_ids, g) for r, p, g in zip(request_ids, params, grammars)]
         for state, history in zip(states, histories):
             fed = len(state.fed)
             if fed <= len(history) and history[:fed] == state.fed:  # the usual step: the history went on

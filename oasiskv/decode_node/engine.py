@@ -474,15 +474,9 @@ class DecodeEngine:
                     start += rows
                     outputs.append(self._fail(req, "its structured output could not go on", error))
                     continue
-            emitted = verify(chosen_from, draft, req.params, req.generator)
-            if req.grammar is not None and req.grammar.dead_row is not None and len(emitted) > req.grammar.dead_row:
-                # Its accepted drafts reached a row the spec left without a token: one token at a
-                # time would have failed there too.
-                start += rows
-                outputs.append(self._fail(req, "its structured output could not go on", ValueError(
-                    f"the structured output, with the request's other limits, leaves no token to generate at output "
-                    f"position {len(req.output_ids) + req.grammar.dead_row}")))
-                continue
+            usable = chosen_from.shape[0]  # fewer where the spec leaves a later row without a token
+            emitted = verify(chosen_from, draft if usable == rows else draft.first(usable - 1), req.params,
+                             req.generator)
             # Emitted token i was chosen from row i (the last one the correction or bonus).
             logprobs = (None if req.params.logprobs is None
                         else token_logprobs(logits[start : start + rows], emitted, req.params.logprobs))
@@ -510,8 +504,8 @@ class DecodeEngine:
         budgets = [min(k, r.params.max_tokens - len(r.output_ids)) for r in reqs]
         drafts = self.drafter.propose([r.request_id for r in reqs], [r.history for r in reqs], k, [r.params for r in reqs],
                                       prompt_lengths=[len(r.prompt_ids) for r in reqs],
-                                      eos_token_ids=self.eos_token_ids)
-        return [Draft(d.tokens[:b], None if d.probs is None else d.probs[:b]) for d, b in zip(drafts, budgets)]
+                                      eos_token_ids=self.eos_token_ids, grammars=[r.grammar for r in reqs])
+        return [d.first(b) for d, b in zip(drafts, budgets)]
 
     def _write_backs_settled(self, req: DecodeRequest, first: int, last: int) -> bool:
         """Whether this step may write positions first..last into the request's ring rows: the

@@ -33,6 +33,7 @@ from collections import deque
 from concurrent.futures import Future
 
 from ..kvstore import KVStoreError, StoreTimeout
+from ..kvstore.nixl_agents import stop_polling_at_exit
 
 # Control calls whose first argument is a request id: they run on that request's store thread.
 ROUTED_CALLS = frozenset({"extend", "free", "read_summaries"})
@@ -120,6 +121,7 @@ class _IOThread:
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self._thread.start()
+        stop_polling_at_exit(self)  # its jobs call into NIXL
 
     def submit(self, fn, urgent: bool = False) -> Future:
         future = Future()
@@ -153,6 +155,17 @@ class _IOThread:
             self._wake.notify()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+
+    def stop_polling(self, wait_s: float) -> None:
+        """At interpreter exit: drop what is queued and let the job running end (at most
+        `wait_s`). A daemon thread still inside a NIXL call as Python finalized aborted the process."""
+        with self._wake:
+            dropped = list(self._urgent) + list(self._queued)
+            self._urgent.clear()
+            self._queued.clear()
+        for future, _ in dropped:
+            future.cancel()
+        self.close(wait_s)
 
 
 class IOThreadClient:

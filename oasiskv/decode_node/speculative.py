@@ -27,15 +27,20 @@ class Draft:
     # drafters (prompt lookup), whose proposal is a point mass.
     probs: torch.Tensor | None = None
 
+    def first(self, n: int) -> Draft:
+        """Its first n tokens (verification may check fewer than were drafted)."""
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n])
+
 
 class Drafter(Protocol):
     def propose(
         self, request_ids: list[str], histories: list[list[int]], k: int, params: list[SamplingParams], *,
-        prompt_lengths: list[int] | None = None, eos_token_ids=(),
+        prompt_lengths: list[int] | None = None, eos_token_ids=(), grammars=None,
     ) -> list[Draft]:
         """Up to k drafts per request. histories: prompt then output; prompt_lengths splits them
         (for the penalties) and eos_token_ids are the ones min_tokens bans, for a drafter that
-        processes its logits as the target does."""
+        processes its logits as the target does; grammars: each request's compiled structured
+        output (a GrammarState or None), for a drafter that drafts under it."""
         ...
 
     def release(self, request_id: str) -> None: ...

@@ -303,7 +303,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
                    drafts: list[int] = (), eos_token_ids=(), grammar: GrammarState | None = None) -> torch.Tensor:
     """The logits the request samples from, rows [1 + len(drafts), V]: row i is output position
     len(output_ids) + i and follows the output and drafts[:i] (a speculative step verifies several
-    positions at once). In vLLM's order: allowed_token_ids, bad_words and min_tokens (bans, which
+    positions at once). Fewer rows where `grammar` leaves a row without a token: they end before
+    it (see _limit_to_grammar). In vLLM's order: allowed_token_ids, bad_words and min_tokens (bans, which
     commute), logit_bias, the penalties, then `grammar`'s limit (structured_outputs; vLLM applies it
     first, and a ban commutes with the rest). A new fp32 tensor; the raw logits stay for the
     logprobs, which are vLLM's raw ones."""
@@ -324,29 +325,28 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: lis
     if params.penalized:
         logits = apply_penalties(logits, params, prompt_ids, output_ids, drafts)
     if grammar is not None:
-        _limit_to_grammar(logits, grammar, output_ids, drafts)
+        logits = logits[: _limit_to_grammar(logits, grammar, output_ids, drafts)]
     return logits
 
 
-def _limit_to_grammar(logits: torch.Tensor, grammar: GrammarState, output_ids: list[int], drafts: list[int]) -> None:
-    """The structured output's limit, last, in place. A row it leaves no token (a spec with a dead
-    end, or one that with the other bans allows nothing there: min_tokens' ban of EOS where only
-    EOS may follow, say): the first row raises ValueError; a later one is made finite and noted in
-    `grammar.dead_row`, where verification must not go (the decode engine fails the request if
-    its accepted drafts reach it, as one token at a time would). Sampling from no token failed
-    the whole decode step, and any token taken instead would break the spec."""
-    grammar.dead_row = None
+def _limit_to_grammar(logits: torch.Tensor, grammar: GrammarState, output_ids: list[int], drafts: list[int]) -> int:
+    """The structured output's limit, last, in place; returns how many rows may be sampled from.
+
+    A row it leaves no token (a spec with a dead end, or one that with the other bans allows
+    nothing there: min_tokens' ban of EOS where only EOS may follow, say) cannot be sampled from:
+    that failed the whole decode step, and any token taken instead would break the spec. The
+    first row raises ValueError naming the position. A later one ends the rows, which verifies
+    fewer drafts: the row before it then gives the bonus token, and if that is the draft that led
+    to the dead end, the next step's first row raises, as one token at a time would have."""
     bitmask = grammar.next_token_bitmask(output_ids, list(drafts[: logits.shape[0] - 1]), logits.shape[0])
     if bitmask is None:
-        return
+        return logits.shape[0]
     apply_bitmask(logits, bitmask)
     empty = (logits.amax(dim=-1) == float("-inf")).nonzero().flatten().tolist()
     if empty and empty[0] == 0:
         raise ValueError(f"the structured output, with the request's other limits, leaves no token to generate "
                          f"at output position {len(output_ids)}")
-    if empty:
-        grammar.dead_row = empty[0]
-        logits[empty] = 0.0
+    return empty[0] if empty else logits.shape[0]
 
 
 def _ban_bad_words(logits: torch.Tensor, sequences: list[list[int]], generated: list[int], base: int,

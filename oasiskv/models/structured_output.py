@@ -46,14 +46,20 @@ def check_spec(spec, field: str = "structured_outputs", parse: bool = True) -> d
     {"json_object": true}, {"regex": str}, {"choice": [str, ...]} or {"grammar": EBNF or Lark}. Raises
     ValueError naming what is wrong, its message beginning with `field` (the request field it came
     from). `parse`: parse it too (a schema, expression or grammar that does not parse is refused);
-    parsing a large spec takes a while, which an API does off its event loop (`compile_spec`)."""
+    parsing a large spec takes a while, which an API does off its event loop (`compile_spec`).
+    A spec it returned is not checked again (a request's passes the API, its SamplingParams and
+    each engine)."""
     try:
-        checked = _checked(spec)
+        checked = spec if isinstance(spec, CheckedSpec) else CheckedSpec(_checked(spec))
         if parse:
             _grammar(checked)
         return checked
     except ValueError as error:
         raise ValueError(f"{field} {error}") from None
+
+
+class CheckedSpec(dict):
+    """A spec as `check_spec` returns it: {kind: value}, its checks passed."""
 
 
 def _checked(spec) -> dict:
@@ -241,8 +247,6 @@ class GrammarState:
         gives its matcher): the spec lets one come only where the output may end. Default: the
         tokenizer's EOS. ValueError for a spec that does not parse or compile, its message
         beginning with `field`."""
-        import xgrammar as xgr
-
         if tokenizer is None:
             raise ValueError(f"{field} need the model's tokenizer, and this engine was given none")
         spec = check_spec(spec, field, parse=False)
@@ -253,12 +257,22 @@ class GrammarState:
         except RuntimeError as error:
             raise ValueError(f"{field} could not be compiled: {_native_message(error)}") from None
         stops = sorted(set(tokenizer.eos_token_ids if stop_token_ids is None else stop_token_ids))
+        self._start(compiled, stops, vocab_size)
+
+    def _start(self, compiled, stops: list[int], vocab_size: int) -> None:
+        import xgrammar as xgr
+
         self.vocab_size = vocab_size
+        self._compiled, self._stops = compiled, stops
         self._matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stops or None, max_rollback_tokens=-1)
         self._taken: list[int] = []  # the output tokens the matcher has taken
-        # The first row of the last step's limit that allowed no token (set by process_logits),
-        # which verification must not reach; None: none.
-        self.dead_row: int | None = None
+
+    def fresh_copy(self) -> GrammarState:
+        """A state on the same compiled spec and stop tokens that has taken nothing: a draft model
+        follows its own drafts with it, and need not compile the spec again (seconds)."""
+        copy = GrammarState.__new__(GrammarState)
+        copy._start(self._compiled, self._stops, self.vocab_size)
+        return copy
 
     @classmethod
     def for_params(cls, params, tokenizer, vocab_size: int, eos_token_ids=None) -> GrammarState | None:

@@ -174,3 +174,31 @@ def test_the_draft_kv_has_a_ring_for_every_request_the_engine_runs(smollm2_llm, 
         drafter.propose(["one-more"], [[1, 2, 3]], 2, [params])
     drafter.release("r0")
     assert len(drafter.propose(["one-more"], [[1, 2, 3]], 2, [params])[0].tokens) == 2
+
+
+def test_drafts_follow_the_engines_compiled_spec_without_compiling_it_again(smollm2_llm, monkeypatch):
+    """The engine hands its compiled structured output over: the draft model follows it with a
+    matcher of its own (the engine's stays where it was) and compiles nothing (seconds a spec on
+    Qwen's vocabulary); without it, the draft model compiles the spec itself."""
+    from oasiskv.models import structured_output
+
+    tok, vocab = smollm2_llm.tokenizer, smollm2_llm.model.config.vocab_size
+    params = SamplingParams(structured_outputs={"choice": ["yes please", "no thanks"]})
+    engine_state = structured_output.GrammarState.for_params(params, tok, vocab, smollm2_llm.eos_token_ids)
+    first_row = engine_state.next_token_bitmask([], [], 1).clone()
+    compiles = []
+    compile_grammar = structured_output._COMPILERS.get(tok, vocab).compile_grammar
+    monkeypatch.setattr(structured_output._COMPILERS, "get", lambda *_: type("Counting", (), {
+        "compile_grammar": staticmethod(lambda g: compiles.append(g) or compile_grammar(g))}))
+    prompt = smollm2_llm.encode("Answer in one word: is water wet?")
+
+    def drafted(grammars) -> str:
+        drafter = DraftModelDrafter(smollm2_llm.model, vocab, tok, tok, sink_tokens=SINKS, window_tokens=WINDOW)
+        draft = drafter.propose(["r"], [prompt], 3, [params], prompt_lengths=[len(prompt)],
+                                eos_token_ids=smollm2_llm.eos_token_ids, grammars=grammars)[0]
+        return smollm2_llm.tokenizer.decode(draft.tokens)
+
+    text = drafted([engine_state])
+    assert compiles == [] and text and ("yes please".startswith(text) or "no thanks".startswith(text))
+    assert torch.equal(engine_state.next_token_bitmask([], [], 1), first_row)  # its own matcher did not move
+    assert drafted(None) == text and len(compiles) == 1

@@ -180,6 +180,25 @@ def test_close_runs_what_is_queued_and_refuses_more():
         io.read_blocks("r", 0, 0, "b2", None)
 
 
+def test_at_exit_the_thread_drops_what_is_queued_and_ends():
+    """Registered with the exit hook (a daemon thread inside a NIXL call as Python finalized
+    aborted the process): the job running ends, the queued ones are cancelled, not run."""
+    from oasiskv.kvstore import nixl_agents
+
+    client = RecordingClient()
+    io = IOThreadClient(client, timeout_s=10)
+    io.read_blocks("r", 0, 0, "gate", None)
+    assert client.started.wait(10)
+    queued = io.read_blocks("r", 0, 0, "b1", None)
+    thread = next(iter(io._threads.values()))
+    assert thread in nixl_agents._POLLERS
+    threading.Timer(0.2, client.gate.set).start()
+    thread.stop_polling(wait_s=10)
+    assert not thread._thread.is_alive() and client.calls == ["read gate"]
+    with pytest.raises(StoreTimeout, match="cancelled"):
+        queued.wait()
+
+
 def test_a_forgotten_route_runs_what_is_queued_and_stops_its_thread():
     """A store that moved: its I/O thread runs what is queued, then stops; it can be forgotten
     from a job on that very thread (a queued free that closed the store's last request)."""

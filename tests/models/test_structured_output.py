@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 import torch
 
+from oasiskv.decode_node.speculative import Draft, verify
 from oasiskv.models.sampling import SamplingParams, process_logits
 from oasiskv.models.structured_output import GrammarState, check_spec
 
@@ -206,19 +207,21 @@ def test_a_spec_with_a_dead_end_fails_its_request_not_the_batch(smollm2_llm):
         SamplingParams(max_tokens=8, temperature=1.0, seed=1, structured_outputs=spec), SamplingParams(max_tokens=8)])
     assert dead.finish_reason == "error" and dead.token_ids == a
     assert free.token_ids == smollm2_llm.generate(["Say a"], SamplingParams(max_tokens=8))[0].token_ids
-    # In a verification step a later row left without a token is made finite and noted: the rows
-    # before it are as one token at a time has them ("a" stays possible), and the decode engine
-    # fails the request only if its accepted drafts reach that row.
+    # In a verification step the rows end before a later row left without a token: the rows
+    # before it are as one token at a time has them ("a" stays possible), and verification checks
+    # fewer drafts; if it takes "a", the next step's first row fails, as one token at a time would.
     spec = {"regex": "a[^\\x00-\\U0010FFFF]|b"}
     state = GrammarState(spec, smollm2_llm.tokenizer, smollm2_llm.model.config.vocab_size)
     b = smollm2_llm.tokenizer.encode("b", add_special_tokens=False)
-    rows = process_logits(torch.randn(2, smollm2_llm.model.config.vocab_size), SamplingParams(structured_outputs=spec),
-                          [], [], a, grammar=state)
-    assert torch.isfinite(rows[0, a[0]]) and torch.isfinite(rows[0, b[0]]) and torch.isfinite(rows[1]).all()
-    assert state.dead_row == 1
-    process_logits(torch.randn(1, smollm2_llm.model.config.vocab_size), SamplingParams(structured_outputs=spec),
-                   [], [], grammar=state)
-    assert state.dead_row is None
+    logits = torch.full((2, smollm2_llm.model.config.vocab_size), -5.0)
+    logits[0, a[0]] = 5.0
+    params = SamplingParams(structured_outputs=spec)
+    rows = process_logits(logits, params, [], [], a, grammar=state)
+    assert rows.shape[0] == 1 and torch.isfinite(rows[0, a[0]]) and torch.isfinite(rows[0, b[0]])
+    assert verify(rows, Draft(a).first(rows.shape[0] - 1), params) == a
+    with pytest.raises(ValueError, match="leaves no token to generate at output position 1"):
+        process_logits(logits[:1], params, [], a, grammar=state)
+    assert process_logits(logits, params, [], [], b, grammar=state).shape[0] == 2  # "b" ends it: EOS may follow
 
 
 def test_stop_token_ids_are_the_specs_stop_tokens_too(smollm2_llm):
@@ -246,3 +249,18 @@ def test_a_refusal_names_the_field_the_spec_came_from():
 def test_an_engine_without_a_tokenizer_says_so():
     with pytest.raises(ValueError, match="need the model's tokenizer"):
         GrammarState({"regex": "a"}, None, 100)
+
+
+def test_a_checked_spec_is_not_checked_again(monkeypatch):
+    """A request's spec passes the API, its SamplingParams and each engine: the scans run once."""
+    from oasiskv.models import structured_output
+
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(50)}}
+    checked = check_spec({"json": json.dumps(schema)}, parse=False)
+    assert checked == {"json": json.dumps(schema)}
+    scans = []
+    monkeypatch.setattr(structured_output, "_unsupported_json_feature", lambda s: scans.append(s))
+    assert SamplingParams(structured_outputs=checked).structured_outputs is checked and check_spec(checked) is checked
+    assert scans == []
+    check_spec({"json": schema})
+    assert scans == [schema]
