@@ -12,6 +12,7 @@ import functools
 import hashlib
 import json
 import logging
+import re
 import secrets
 from typing import AsyncIterator, Callable
 
@@ -47,6 +48,7 @@ from .protocol import (
     now,
 )
 from .router import Overloaded, TooLarge
+from .tool_calls import ToolCallStream, ToolChoice, finish_reason, parse_reply, template_messages
 from .service import ClusterService, ShuttingDown
 
 log = logging.getLogger("oasiskv.api")
@@ -221,7 +223,10 @@ def _json(payload: dict) -> bytes:
 async def _chat_prompt_ids(tokenizer, body, add_special_tokens: bool = False) -> list[int]:
     """The messages rendered by the chat template, as token ids. The template writes any BOS
     itself; `add_special_tokens` adds the tokenizer's own on top, as vLLM's /tokenize may."""
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages])
+    except ValueError as exc:
+        raise ApiError(400, str(exc), "invalid_request_error", "messages") from exc
     try:
         text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,
                                        **body.template_variables())
@@ -288,7 +293,8 @@ def _sampling(body, prompt_tokens: int, max_model_len: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                               top_k=max(0, body.top_k), stop=body.stop_list, seed=body.seed,
                               ignore_eos=body.ignore_eos, stop_token_ids=list(body.stop_token_ids or []),
-                              skip_special_tokens=body.skip_special_tokens,
+                              # As vLLM's hermes parser: a model may mark its tool-call tags special.
+                              skip_special_tokens=body.skip_special_tokens and not _tool_choice(body).parses_reply,
                               include_stop_str_in_output=body.include_stop_str_in_output,
                               logprobs=body.logprobs_requested(), presence_penalty=body.presence_penalty,
                               frequency_penalty=body.frequency_penalty, repetition_penalty=body.repetition_penalty,
@@ -345,10 +351,14 @@ async def _require_compilable(service: ClusterService, spec: dict, field: str) -
         raise ApiError(400, str(exc), "invalid_request_error", field) from exc
 
 
+def _tool_choice(body) -> ToolChoice:
+    return body.tool_choice_resolved() if isinstance(body, ChatCompletionRequest) else ToolChoice("none")
+
+
 def _field_named(message: str, body) -> str | None:
     """The request field a refusal names first, as the error's `param` (SamplingParams' and
-    check_supported's messages begin with it)."""
-    named = message.split(" ", 1)[0]
+    check_supported's messages begin with it, or with an entry of it: "tools[2].function")."""
+    named = re.split(r"[ \[.]", message, maxsplit=1)[0]
     return named if named in type(body).model_fields else None
 
 
@@ -456,8 +466,13 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
         for index, (outcome, formatter) in enumerate(zip(outcomes, formatters)):
             common = {"index": index, "finish_reason": outcome.finish_reason, "stop_reason": outcome.stop_reason}
             if kind == "chat.completion":
-                choices.append({**common, "message": {"role": "assistant", "content": body.echoed() + outcome.text},
-                                "logprobs": formatter and formatter.chat(outcome.logprobs)})
+                tools = _tool_choice(body)
+                content, calls = parse_reply(tools, outcome.text)
+                message = {"role": "assistant", "content": content if calls else body.echoed() + outcome.text}
+                if calls:  # as vLLM: no field without calls
+                    message["tool_calls"] = [call.to_openai() for call in calls]
+                common["finish_reason"] = finish_reason(tools, calls, outcome.finish_reason)
+                choices.append({**common, "message": message, "logprobs": formatter and formatter.chat(outcome.logprobs)})
                 continue
             prompt = index // body.n
             entries = outcomes[prompt * body.n].prompt_logprobs or []  # its first choice's
@@ -630,10 +645,12 @@ async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt
 
     def chunk(index: int, delta_text: str | None, reason: str | None, role: bool = False,
               logprobs: list[TokenLogprob] | None = None, stop: str | int | None = None,
-              shown_logprobs: dict | None = None) -> bytes:
+              shown_logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> bytes:
         formatter = formatters[index]
         if chunk_kind == "chat.completion.chunk":
             delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "finish_reason": reason, "stop_reason": stop,
                       "logprobs": formatter.chat(logprobs) if formatter and logprobs else None}
         else:
@@ -655,6 +672,8 @@ async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt
                 if body.echoed():
                     yield chunk(index, body.echoed(), None)
         echoed = [echoes is None] * merged.choices
+        tools = _tool_choice(body)
+        tool_streams = [ToolCallStream(tools) if tools.parses_reply else None for _ in range(merged.choices)]
         gate = EchoLogprobsGate([not done and f is not None for done, f in zip(echoed, formatters)], body.n)
 
         def echo_chunk(index: int) -> bytes:
@@ -673,9 +692,16 @@ async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt
                 cached_tokens[index] = event.cached_tokens
                 if echoes is not None and body.echo_only:  # the prompt alone: only the end is told
                     event = dataclasses.replace(event, delta="", logprobs=[])
-                if event.delta or event.logprobs or event.finished:
-                    yield chunk(index, event.delta, event.finish_reason if event.finished else None,
-                                logprobs=event.logprobs, stop=event.stop_reason if event.finished else None)
+                delta, calls, reason = event.delta, [], event.finish_reason if event.finished else None
+                if tool_streams[index] is not None:  # content until a call begins, then the calls
+                    delta, calls = tool_streams[index].feed(event.delta or "")
+                    if event.finished:
+                        rest, more = tool_streams[index].finish()
+                        delta, calls = delta + rest, calls + more
+                        reason = finish_reason(tools, tool_streams[index].calls, reason)
+                if delta or calls or event.logprobs or event.finished:
+                    yield chunk(index, delta, reason, logprobs=event.logprobs,
+                                stop=event.stop_reason if event.finished else None, tool_calls=calls)
         if body.include_usage:
             payload = {"id": request_id, "object": chunk_kind, "created": created, "model": body.model,
                        "choices": [], "usage": usage()}

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..models.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from ..models.structured_output import check_spec
 from ..models.tokenizer import require_unicode
+from .tool_calls import ToolChoice, check_tools, resolve_tool_choice, tool_spec
 
 Mode = Literal["dense", "sparse-current", "lookahead"]
 # Choices (n) per prompt, and in all (prompts x n) per request: each choice is a request to the
@@ -288,6 +289,11 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict] | None = None
+    # An assistant's calls ([{"id", "type": "function", "function": {"name", "arguments"}}]) and a
+    # tool's answer to one (its tool_call_id), which the chat template writes into the prompt.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -303,12 +309,28 @@ class ChatMessage(BaseModel):
             value = "\n".join(texts)
         return _encodable(value)
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _calls(cls, value):
+        for j, call in enumerate(value or ()):
+            function = call.get("function") if isinstance(call, dict) else None
+            if (not isinstance(function, dict) or call.get("type", "function") != "function"
+                    or not isinstance(function.get("name"), str)
+                    or not isinstance(function.get("arguments"), (str, dict))):
+                raise ValueError(f"tool_calls[{j}] must be {{'id': ..., 'type': 'function', 'function': "
+                                 f"{{'name': ..., 'arguments': JSON text}}}}, got {call!r}")
+        return value
+
     @model_validator(mode="after")
     def _has_content(self):
-        # OpenAI allows null content only beside an assistant's tool_calls, which are not served;
-        # a chat template would otherwise fail on the missing key with a Jinja message.
+        # OpenAI allows null content only beside an assistant's tool_calls; a chat template
+        # would otherwise fail on the missing key with a Jinja message.
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only an assistant's message has tool_calls, not a {self.role!r} one")
         if self.content is None:
-            raise ValueError(f"a {self.role!r} message needs content")
+            if not self.tool_calls:
+                raise ValueError(f"a {self.role!r} message needs content")
+            self.content = ""  # as vLLM gives it to the template
         return self
 
 
@@ -343,9 +365,10 @@ class _ChatTemplate:
 class ChatCompletionRequest(_SamplingFields, _ChatTemplate):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    # Refused rather than ignored: a client that asks for a tool call must not get free text.
+    # Function tools, written into the prompt by the chat template; see tool_calls.py.
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     top_logprobs: int | None = None
     logprobs: bool | None = None  # chat's is a boolean (completions' a count): 3 is refused, as in vLLM
     # vLLM's chat-template extensions; they were logged as ignored, so the prompt was not the one asked for.
@@ -368,11 +391,25 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplate):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tool_choice not in (None, "none") and not self.tools:
-            raise UnsupportedFeature("when using tool_choice, tools must be set")
-        if self.tools and self.tool_choice != "none":
-            raise UnsupportedFeature("tools (function calling) are not supported")
+        try:
+            if self.tools is not None:
+                check_tools(self.tools)
+            self.tool_choice_resolved()
+        except ValueError as exc:
+            raise UnsupportedFeature(str(exc)) from None
         self.check_template_fields()
+
+    def tool_choice_resolved(self) -> ToolChoice:
+        return resolve_tool_choice(self.tools, self.tool_choice)
+
+    def structured_outputs_requested(self) -> dict | None:
+        """A required or named tool call limits the reply to calls, over any other structured
+        output asked for (as vLLM)."""
+        return tool_spec(self.tool_choice_resolved(), self.tools or [], self.parallel_tool_calls) \
+            or super().structured_outputs_requested()
+
+    def structured_outputs_field(self) -> str:
+        return "tools" if self.tool_choice_resolved().mode in ("required", "named") else super().structured_outputs_field()
 
     def echoed(self) -> str:
         """What the reply starts with under `echo`: the last message's content when that message

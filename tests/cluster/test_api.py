@@ -603,7 +603,15 @@ def test_bad_requests_get_openai_errors(server, body, status, fragment):
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}}, 400,
          "response_format json_schema needs a 'name'"),
         ({"response_format": {"type": "structural_tag"}}, 400, "response_format 'structural_tag' is not supported"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, 400, "tools[0] must be"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"function": {"name": "g"}}},
+         400, "does not match any of the specified tools"),
+        ({"messages": [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
+         400, "messages[0].tool_calls[0].function.arguments is not JSON"),
+        ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+         400, "only an assistant's message has tool_calls"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}, 400, "lone surrogate"),
         # Once a 400 that quoted the chat template's Jinja error.
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": None}]}, 400, "needs content"),
@@ -1045,6 +1053,91 @@ def test_tool_choice_without_tools_is_refused(server):
     body = {"max_tokens": 4, "tool_choice": "auto", "messages": [{"role": "user", "content": "hi"}]}
     response = _post(server, "chat/completions", body)
     assert response.status_code == 400 and "when using tool_choice, tools must be set" in response.json()["error"]["message"]
+    assert response.json()["error"]["param"] == "tool_choice"
+
+
+_TOOLS = [{"type": "function", "function": {
+              "name": "get_weather", "description": "The weather in a city now",
+              "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                             "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}}}}},
+          {"type": "function", "function": {"name": "get_time", "parameters": {
+              "type": "object", "additionalProperties": False, "required": ["zone"],
+              "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}}}}]
+_ASKED = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _streamed_calls(client, **kwargs) -> tuple[str, dict[int, dict], list[str | None]]:
+    """A streamed reply's content, its calls put together from their deltas by index (as the
+    openai client's users do), and its finish reasons."""
+    content, calls, reasons = "", {}, []
+    for chunk in client.chat.completions.create(model=DEFAULT_MODEL, stream=True, **kwargs):
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"id": None, "name": None, "arguments": ""})
+            call["id"] = call["id"] or delta.id
+            call["name"] = call["name"] or delta.function.name
+            call["arguments"] += delta.function.arguments or ""
+        reasons.append(choice.finish_reason)
+    return content, calls, reasons
+
+
+def test_a_named_tool_choice_is_a_call_whose_arguments_follow_its_parameters(client):
+    """As vLLM: the reply is limited to the function's parameters and given as its call (content
+    empty, finish_reason "stop"); streamed, its arguments come as they are made."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    reply = client.chat.completions.create(model=DEFAULT_MODEL, messages=_ASKED, tools=_TOOLS, tool_choice=named,
+                                           max_tokens=32, temperature=0)
+    message, choice = reply.choices[0].message, reply.choices[0]
+    assert message.content == "" and choice.finish_reason == "stop" and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.type == "function" and call.function.name == "get_time" and call.id.startswith("chatcmpl-tool-")
+    assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    content, calls, reasons = _streamed_calls(client, messages=_ASKED, tools=_TOOLS, tool_choice=named, max_tokens=32,
+                                              temperature=0)
+    assert content == "" and list(calls) == [0] and reasons[-1] == "stop"
+    assert (calls[0]["name"], calls[0]["arguments"]) == ("get_time", call.function.arguments)
+
+
+def test_a_required_tool_choice_calls_at_least_one_of_the_tools(client):
+    """The reply is a JSON array of calls (vLLM's schema); parallel_tool_calls false allows one."""
+    for parallel in (None, False):
+        extra = {} if parallel is None else {"parallel_tool_calls": parallel}
+        reply = client.chat.completions.create(model=DEFAULT_MODEL, messages=_ASKED, tools=_TOOLS, tool_choice="required",
+                                               max_tokens=64, temperature=0, **extra)
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content == "", choice
+        calls = choice.message.tool_calls
+        assert calls and all(c.function.name in ("get_weather", "get_time") for c in calls)
+        assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
+        assert parallel is None or len(calls) == 1
+    content, streamed, reasons = _streamed_calls(client, messages=_ASKED, tools=_TOOLS, tool_choice="required",
+                                                 max_tokens=64, temperature=0, extra_body={"parallel_tool_calls": False})
+    assert content == "" and reasons[-1] == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [(c.function.name, c.function.arguments)
+                                                                       for c in calls]
+
+
+def test_with_tools_and_no_call_the_reply_is_text_and_a_past_call_reaches_the_prompt(client, server, smollm2_llm):
+    """tool_choice "auto" (the default with tools): SmolLM2 does not call in Qwen's format, so
+    the reply is its text, as without tools. A conversation that went through a call (an
+    assistant's tool_calls with null content, the tool's answer) is rendered by the template."""
+    history = [*_ASKED, {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "chatcmpl-tool-1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "sunny, 21 C"}]
+    reply = client.chat.completions.create(model=DEFAULT_MODEL, messages=history, tools=_TOOLS, max_tokens=12,
+                                           temperature=0)
+    choice = reply.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason == "length"
+    rendered = smollm2_llm.tokenizer.apply_chat_template(
+        [*_ASKED, {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "chatcmpl-tool-1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "sunny, 21 C"}], tools=_TOOLS)
+    assert choice.message.content == _expected(smollm2_llm, rendered, 12)
+    assert reply.usage.prompt_tokens == len(rendered)
+    content, calls, reasons = _streamed_calls(client, messages=history, tools=_TOOLS, max_tokens=12, temperature=0)
+    assert (content, calls, reasons[-1]) == (choice.message.content, {}, "length")
 
 
 _ANSWER_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "population"],
