@@ -177,6 +177,7 @@ class DecodeEngine:
         self._grammar_compiles = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="grammar-compile")
         self.admitting: list[DecodeRequest] = []  # given their rows; their first reads in flight
         self.running: list[DecodeRequest] = []
+        self._ended_before_failure: list[DecodeOutput] = []  # see step()
         # (pool rows, transfers that may still write into them): rows of requests that ended
         # while a transfer of theirs had not (its store stopped answering); they go back to the
         # pool once every such transfer has ended.
@@ -414,23 +415,41 @@ class DecodeEngine:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.admitting or self.running)
 
-    @torch.inference_mode()
     def step(self) -> list[DecodeOutput]:
         """One verification pass over the running batch; the requests whose admission reads
         have landed join it first. With none running it may return without a pass (admissions
-        still reading, rows still in quarantine): call it again while `has_unfinished`."""
+        still reading, rows still in quarantine): call it again while `has_unfinished`.
+
+        A step that raises has left the requests it ended (failed, finished) out of the engine,
+        where `abort_all` cannot name them: their outputs are kept for `take_ended_before_failure`
+        (their streams waited for ever)."""
+        outputs: list[DecodeOutput] = []
+        try:
+            self._step(outputs)
+        except Exception:
+            self._ended_before_failure += [out for out in outputs if out.finished or out.error is not None]
+            raise
+        return outputs
+
+    def take_ended_before_failure(self) -> list[DecodeOutput]:
+        ended, self._ended_before_failure = self._ended_before_failure, []
+        return ended
+
+    @torch.inference_mode()
+    def _step(self, outputs: list[DecodeOutput]) -> None:
         self.release_ended_rows()
-        outputs = self._admit_waiting()
+        outputs += self._admit_waiting()
         outputs += self._join_admitted(0.0 if self.running else IDLE_WAIT_S)
         if not self.running:
             compiling = [r.grammar_compile for r in self.waiting if r.grammar_compile is not None]
             if compiling and not self.admitting:
                 concurrent.futures.wait(compiling, timeout=IDLE_WAIT_S, return_when=concurrent.futures.FIRST_COMPLETED)
             elif self.waiting and not self.admitting:
-                if not self.quarantine:
+                if self.quarantine:
+                    self.settle(IDLE_WAIT_S)  # rows a store still holds; the queue waits
+                elif not outputs:  # requests that ended just now gave their rows back: the next step admits
                     raise RuntimeError("no request fits the device KV pool although it is empty")
-                self.settle(IDLE_WAIT_S)  # rows a store still holds; the queue waits
-            return outputs
+            return
         k = self.config.num_draft_tokens
         reqs, held = [], []
         for req in list(self.running):  # _fail below takes a request out of self.running
@@ -440,7 +459,7 @@ class DecodeEngine:
                 outputs.append(self._fail(req, "its store failed it", error))
         if not reqs:
             self._wait_for_write_backs(held)
-            return outputs
+            return
         ids, positions, step_reqs, batch = [], [], [], []
         for req, draft in zip(reqs, self._propose(reqs, k)):
             tokens = [req.output_ids[-1]] + draft.tokens
@@ -452,7 +471,7 @@ class DecodeEngine:
             step_reqs.append(StepRequest(req.ws, req.summaries, pos, len(draft.tokens), mode, req.plan.budget,
                                          self._radius_weight(req)))
         if not batch:
-            return outputs
+            return
         self._steps += 1
         self.backend.prepare(step_reqs, self._steps)
         device = self.config.device
@@ -491,7 +510,6 @@ class DecodeEngine:
                 self._write_back(req, old_kv)  # a store that refuses it fails the request at a later step
             outputs.append(self._emit(req, emitted, logprobs))
         self.counters.steps += 1
-        return outputs
 
     def _radius_weight(self, req: DecodeRequest) -> float:
         if self.config.radius_weight is not None:

@@ -139,6 +139,10 @@ class DecodeWorker:
         # decoding meanwhile.
         await loop.run_in_executor(None, self.stores.client_for, store_address)
         request_id = prefill.request_id
+        if request_id in self._streams:
+            # Refused here, before its "add": the engine's refusal freed the live request's store
+            # memory under the shared id, and its stream got the other's error.
+            raise ValueError(f"request {request_id!r} is already decoding on this worker; request ids must be unique")
         if self._early_aborts.pop(request_id, None) is not None:
             # Aborted before it had a stream: its store memory is still to be given back.
             self._commands.put(("discard", request_id, store_address))
@@ -171,6 +175,13 @@ class DecodeWorker:
         if stream is not None:
             loop, outputs = stream
             loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _deliver_output(self, out) -> None:
+        if out.error is not None:
+            self._text_sent.pop(out.request_id, None)
+            self._deliver(out.request_id, RuntimeError(f"request {out.request_id}: {out.error}"))
+        else:
+            self._deliver(out.request_id, self._stream_item(out))
 
     def _abort_output(self, request_id: str) -> dict:
         self._text_sent.pop(request_id, None)
@@ -253,11 +264,7 @@ class DecodeWorker:
                 else:
                     self._keep_alive_in_stores()
                     for out in self.engine.step():
-                        if out.error is not None:
-                            self._text_sent.pop(out.request_id, None)
-                            self._deliver(out.request_id, RuntimeError(f"request {out.request_id}: {out.error}"))
-                        else:
-                            self._deliver(out.request_id, self._stream_item(out))
+                        self._deliver_output(out)
                     self._consecutive_failures = 0
             except Exception as error:
                 self._recover(error)
@@ -291,6 +298,8 @@ class DecodeWorker:
         message = f"{type(error).__name__}: {error}"
         self._step_failures += 1
         self._consecutive_failures += 1
+        for out in self.engine.take_ended_before_failure():  # they left the engine before it raised
+            self._deliver_output(out)
         try:
             aborted = self.engine.abort_all()
             # Transfers the step left in flight land in a moment; a store that does not answer

@@ -222,7 +222,7 @@ def recv_frame_header(sock: socket.socket, frame_timeout: float | None,
         recv_into(sock, memoryview(raw), "frame header", deadline)
         try:
             header = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except ValueError as exc:  # not JSON, not UTF-8, or an integer past Python's 4,300 digits
             raise ProtocolError(f"frame header is not JSON: {exc}") from None
         except RecursionError:  # it escaped as no error frame at all, and ended the connection's thread
             raise ProtocolError("frame header is JSON nested too deeply") from None

@@ -8,6 +8,7 @@ frame that stops midway times out, and handler errors go back as error frames.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -33,8 +34,24 @@ Reply = tuple[dict[str, Any], list[Any]]
 MAX_HELLO_METADATA_BYTES = 4 << 20
 
 
+# TCP keepalive on clients' connections: one whose host died (a node lost, a pod killed) left a
+# half-open connection that held its slot, and its NIXL holds, for ever. ~2 min to notice it.
+_KEEPALIVE = {"TCP_KEEPIDLE": 60, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 6}
+
+
+def _keep_alive(sock: socket.socket) -> None:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in _KEEPALIVE.items():
+            if hasattr(socket, name):  # Linux names them all; others keep their defaults
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError as exc:  # a peer already gone: its first read says so
+        log.debug("keepalive on a new connection: %s", exc)
+
+
 class _Connection:
     def __init__(self, sock: socket.socket, peer: str):
+        _keep_alive(sock)
         self.sock = sock
         self.peer = peer
         self.nixl_peer: str | None = None  # remote NIXL agent name, if the client sent metadata
@@ -182,8 +199,15 @@ class KVStoreServer:
                 sock, addr = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                break
+            except OSError as exc:
+                if self._stopping.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):  # the listener was closed
+                    break
+                # Out of file descriptors or buffers, for now: the thread ended on it, and the store
+                # took no connection again while it looked healthy.
+                self.metrics.errors.labels("AcceptFailed").inc()
+                log.warning("accepting a connection failed (%s); retrying", exc)
+                self._stopping.wait(0.1)
+                continue
             with self._conn_lock:
                 if len(self._connections) >= self.config.max_connections:
                     self.metrics.errors.labels("TooManyConnections").inc()
@@ -340,6 +364,10 @@ class KVStoreServer:
                                     f"{MAX_HELLO_METADATA_BYTES}")
             metadata = payload.read_bytes(payload.remaining)
             if metadata:
+                if conn.nixl_peer is not None:  # a hello again on this connection: its peer counts once
+                    earlier = conn.nixl_peer
+                    conn.nixl_peer = None
+                    self.nixl.remove_peer(earlier, on_last=lambda: self.store.holder_gone(earlier))
                 conn.nixl_peer = self.nixl.add_peer(bytes(metadata))
                 # A client forgets every block table before it says hello (again), but for those of
                 # requests it still has transfers running on: it releases them when they end.
@@ -407,9 +435,11 @@ class KVStoreServer:
                 raise InvalidArgument(f"write of {n} units needs {n * unit} data bytes, frame has {payload.remaining}")
             # Received straight into the arena; duplicates would land twice, harmlessly.
             starts, _, lengths = merge_runs(offsets, np.arange(n, dtype=np.int64) * unit, unit)
-            for start, length in zip((starts + self.store.base).tolist(), lengths.tolist()):
-                payload.read_into(byte_view(start, length))
-            self.store.summarize(request, layers, heads, blocks)
+            try:
+                for start, length in zip((starts + self.store.base).tolist(), lengths.tolist()):
+                    payload.read_into(byte_view(start, length))
+            finally:  # a frame cut off midway changed some of the keys: their summaries must still bound them
+                self.store.summarize(request, layers, heads, blocks)
         self.store.record_write(n, n * unit, "tcp")
         return {}, []
 

@@ -301,6 +301,10 @@ class KVStore:
     def unit_offsets(self, request: _Request, layers, heads, blocks) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Validated unit indices and their arena byte offsets."""
         layers, heads, blocks = broadcast_units(layers, heads, blocks)
+        units = request.table.size * request.layout.units_per_block
+        if layers.size > MAX_REPEATS * units + 1024:  # 2M repeats of a unit built 2M views of the arena (1.5 GB)
+            raise self.counted(InvalidArgument(f"{layers.size} units asked of request {request.request_id!r}, which "
+                                               f"has {units}: more than {MAX_REPEATS}x over"))
         try:
             request.layout.check_units(layers, heads, blocks, request.table.size)
         except BlockOutOfRange as exc:
@@ -487,7 +491,15 @@ def check_unit_bytes(request: _Request, unit_bytes: int | None) -> None:
         )
 
 
+# How many times over a request's units one read or write may name them (a unit may repeat).
+MAX_REPEATS = 4
+
+
 def _check_request_id(request_id: str) -> None:
     if not isinstance(request_id, str) or not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidArgument(f"request id must be a non-empty str of at most {MAX_REQUEST_ID_LEN} chars, got {request_id!r}")
+    try:
+        request_id.encode()
+    except UnicodeEncodeError:  # a lone surrogate, which JSON carries: the NIXL free notice could not name it
+        raise InvalidArgument(f"request id must be valid Unicode (UTF-8 encodable), got {request_id!r}") from None
 

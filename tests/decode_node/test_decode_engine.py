@@ -56,6 +56,61 @@ def test_a_request_whose_every_block_is_a_sink_decodes_as_dense(smollm2_llm, sto
     assert engine.pool.allocator.num_free == engine.pool.num_rows and store.stats().num_requests == 0
 
 
+def test_a_failed_admission_read_lets_the_request_waiting_for_its_seat_in(smollm2_llm, store, prompts):
+    """A request whose first read fails gives its rows back as it ends: the one waiting behind
+    it for the only seat is admitted at the next step. The step raised "no request fits the
+    device KV pool although it is empty", which failed the waiting request too, and the failed
+    one's output was lost with the step (its stream waited for ever)."""
+    from oasiskv.kvstore import TransferError
+
+    class FailsReadsOf:
+        def __init__(self, client, request_id):
+            self.client, self.request_id = client, request_id
+
+        def __getattr__(self, name):
+            return getattr(self.client, name)
+
+        def read_blocks(self, request_id, *args, **kwargs):
+            if request_id == self.request_id:
+                raise TransferError(f"{request_id}'s store failed its read")
+            return self.client.read_blocks(request_id, *args, **kwargs)
+
+    config = DecodeConfig(kv_pool_gb=0.25, max_num_seqs=1)
+    client = connect(store)
+    prefiller = Prefiller(smollm2_llm.model, client)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, FailsReadsOf(client, "failing"), config)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    for request_id, prompt in (("failing", prompts[0]), ("waiting", prompts[1])):
+        engine.add(prefiller.prefill(request_id, prompt, params, budget_blocks=config.budget_blocks,
+                                     excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks),
+                   params)
+    ended = {}
+    while engine.has_unfinished:
+        ended.update({out.request_id: out for out in engine.step() if out.finished or out.error})
+    assert "failing's store failed its read" in ended["failing"].error
+    assert ended["waiting"].error is None and len(ended["waiting"].token_ids) == 6
+    assert engine.pool.allocator.num_free == engine.pool.num_rows and store.stats().num_requests == 0
+    engine.close()
+
+
+def test_the_requests_a_failing_step_had_ended_are_handed_over(smollm2_llm, store, prompts, monkeypatch):
+    """They left the engine before the step raised, so abort_all cannot name them."""
+    config = DecodeConfig(kv_pool_gb=0.25)
+    client = connect(store)
+    prefiller = Prefiller(smollm2_llm.model, client)
+    engine = DecodeEngine(smollm2_llm.model, smollm2_llm.tokenizer, client, config)
+    one = SamplingParams(max_tokens=1)
+    engine.add(prefiller.prefill("first-token-only", prompts[0][:40], one, budget_blocks=config.budget_blocks,
+                                 excluded_head_blocks=config.sink_blocks, excluded_tail_blocks=config.window_blocks), one)
+    monkeypatch.setattr(engine, "_join_admitted", lambda wait_s: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    ended = engine.take_ended_before_failure()
+    assert [(o.request_id, o.finish_reason) for o in ended] == [("first-token-only", "length")]
+    assert engine.take_ended_before_failure() == [] and not engine.has_unfinished
+    engine.close()
+
+
 def test_a_request_ended_by_its_first_token_does_not_wait_for_a_seat(smollm2_llm, store, prompts):
     """max_tokens=1 (or a first token that stops) needs no decoding, seat or rows: it waited
     behind the running request for the only seat, holding its store memory meanwhile."""

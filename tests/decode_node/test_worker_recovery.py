@@ -505,3 +505,46 @@ def test_the_transfers_of_a_store_that_stops_answering_time_out_together(smollm2
     assert 0.5 * 6.0 < longest_gap < 1.5 * 6.0, longest_gap
     assert stats["healthy"], stats["error"]
     assert stats["step_failures"] == 0 and stats["running"] == 0
+
+
+def test_a_request_ended_in_a_step_that_then_failed_gets_its_end(smollm2_llm, worker):
+    """It had left the engine when the step raised, so the abort of the step's requests did not
+    name it, and its stream waited for ever."""
+    store = KVStore(64 * 2**20)
+    one_token = {"max_tokens": 1}
+    result = Prefiller(smollm2_llm.model, connect(store)).prefill(
+        "one-token", smollm2_llm.encode("def f(x):"), SamplingParams(**one_token))
+    join = worker.engine._join_admitted
+    failures = [RuntimeError("injected after the first token ended its request")]
+
+    def join_once_failing(wait_s):
+        if failures:
+            raise failures.pop()
+        return join(wait_s)
+
+    worker.engine._join_admitted = join_once_failing
+
+    async def run():
+        return await asyncio.wait_for(drain(worker.generate(result, one_token, store)), timeout=30)
+
+    items, error = asyncio.run(run())
+    assert error is None and items[-1]["finished"] and items[-1]["finish_reason"] == "length"
+    assert worker.stats()["step_failures"] == 1 and store.stats().num_requests == 0
+
+
+def test_a_request_id_already_decoding_is_refused_without_touching_the_first(smollm2_llm, worker):
+    """The engine's refusal of the second freed the first's store memory under the shared id."""
+    store = KVStore(64 * 2**20)
+    first = prefill(smollm2_llm, store, "shared-id", "def function(x):\n    return")
+
+    async def run():
+        stream = worker.generate(first, PARAMS, store)
+        head = await stream.__anext__()
+        with pytest.raises(ValueError, match="'shared-id' is already decoding on this worker"):
+            await worker.generate(first, PARAMS, store).__anext__()
+        rest, error = await drain(stream)
+        return [head, *rest], error
+
+    items, error = asyncio.run(run())
+    assert error is None and items[-1]["finished"] and items[-1]["num_tokens"] == PARAMS["max_tokens"]
+    assert store.stats().num_requests == 0
