@@ -124,13 +124,15 @@ class ModelConfig:
             raise CorruptModelError(path, str(error)) from None
 
 
-def _rope_params(raw: dict, layer_type: str | None) -> dict:
+def _rope_params(raw: dict, layer_type: str | None, top_level_scaling: bool = True) -> dict:
     """transformers 5 nests RoPE settings under rope_parameters (per layer type for Gemma3);
-    older configs keep rope_theta / rope_scaling at the top level."""
+    older configs keep rope_theta / rope_scaling at the top level. `top_level_scaling`: whether
+    a top-level rope_scaling applies to this layer (Gemma 3's applies to its global layers only,
+    as transformers reads it)."""
     params = raw.get("rope_parameters") or {}
     if layer_type and isinstance(params.get(layer_type), dict):
         params = params[layer_type]
-    merged = dict(raw.get("rope_scaling") or {})
+    merged = dict(raw.get("rope_scaling") or {}) if top_level_scaling else {}
     merged.update({k: v for k, v in params.items() if not isinstance(v, dict)})
     return merged
 
@@ -140,22 +142,33 @@ def _per_layer_rope_and_windows(raw: dict, model_type: str, num_layers: int):
         params = _rope_params(raw, None)
         theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
         _check_rope_type(params)
-        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
-        return (theta,) * num_layers, (window,) * num_layers, (_linear_factor(params),) * num_layers
+        return (theta,) * num_layers, _qwen2_windows(raw, num_layers), (_linear_factor(params),) * num_layers
     layer_types = raw.get("layer_types") or [
         "sliding_attention" if (i + 1) % int(raw.get("sliding_window_pattern", 6)) else "full_attention"
         for i in range(num_layers)
     ]
     thetas, windows, scalings = [], [], []
     for layer_type in layer_types:
-        params = _rope_params(raw, layer_type)
-        _check_rope_type(params)
         sliding = layer_type == "sliding_attention"
+        params = _rope_params(raw, layer_type, top_level_scaling=not sliding)
+        _check_rope_type(params)
         default_theta = raw.get("rope_local_base_freq", 10000.0) if sliding else raw.get("rope_theta", 1e6)
         thetas.append(float(params.get("rope_theta", default_theta)))
         windows.append(int(raw["sliding_window"]) if sliding else None)
         scalings.append(_linear_factor(params))
     return tuple(thetas), tuple(windows), tuple(scalings)
+
+
+def _qwen2_windows(raw: dict, num_layers: int) -> tuple:
+    """Qwen2's use_sliding_window slides the layers from max_window_layers on (or those its
+    layer_types name), as transformers reads it; the others attend globally."""
+    window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    if window is None:
+        return (None,) * num_layers
+    layer_types = raw.get("layer_types") or [
+        "sliding_attention" if i >= int(raw.get("max_window_layers", 28)) else "full_attention"
+        for i in range(num_layers)]
+    return tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
 
 
 def _check_rope_type(params: dict) -> None:
