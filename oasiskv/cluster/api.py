@@ -223,10 +223,7 @@ def _json(payload: dict) -> bytes:
 async def _chat_prompt_ids(tokenizer, body, add_special_tokens: bool = False) -> list[int]:
     """The messages rendered by the chat template, as token ids. The template writes any BOS
     itself; `add_special_tokens` adds the tokenizer's own on top, as vLLM's /tokenize may."""
-    try:
-        messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages])
-    except ValueError as exc:
-        raise ApiError(400, str(exc), "invalid_request_error", "messages") from exc
+    messages = template_messages([m.model_dump(exclude_none=True) for m in body.messages])
     try:
         text = await asyncio.to_thread(tokenizer.apply_chat_template, messages, tokenize=False,
                                        **body.template_variables())
@@ -467,8 +464,10 @@ async def _serve(service: ClusterService, request: Request, body, prompts: list[
             common = {"index": index, "finish_reason": outcome.finish_reason, "stop_reason": outcome.stop_reason}
             if kind == "chat.completion":
                 tools = _tool_choice(body)
-                content, calls = parse_reply(tools, outcome.text)
-                message = {"role": "assistant", "content": content if calls else body.echoed() + outcome.text}
+                content, calls = parse_reply(tools, outcome.text, body.parallel_tool_calls is not False)
+                echoed = body.echoed()
+                message = {"role": "assistant",
+                           "content": (echoed + (content or "") if echoed else content) if calls else echoed + outcome.text}
                 if calls:  # as vLLM: no field without calls
                     message["tool_calls"] = [call.to_openai() for call in calls]
                 common["finish_reason"] = finish_reason(tools, calls, outcome.finish_reason)
@@ -673,7 +672,8 @@ async def _sse(service: ClusterService, request_id: str, kind: str, body, prompt
                     yield chunk(index, body.echoed(), None)
         echoed = [echoes is None] * merged.choices
         tools = _tool_choice(body)
-        tool_streams = [ToolCallStream(tools) if tools.parses_reply else None for _ in range(merged.choices)]
+        parallel = getattr(body, "parallel_tool_calls", None) is not False
+        tool_streams = [ToolCallStream(tools, parallel) if tools.parses_reply else None for _ in range(merged.choices)]
         gate = EchoLogprobsGate([not done and f is not None for done, f in zip(echoed, formatters)], body.n)
 
         def echo_chunk(index: int) -> bytes:

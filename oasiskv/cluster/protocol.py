@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from ..models.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 from ..models.structured_output import check_spec
 from ..models.tokenizer import require_unicode
-from .tool_calls import ToolChoice, check_tools, resolve_tool_choice, tool_spec
+from .tool_calls import ToolChoice, check_tools, normalized_tools, resolve_tool_choice, tool_spec
 
 Mode = Literal["dense", "sparse-current", "lookahead"]
 # Choices (n) per prompt, and in all (prompts x n) per request: each choice is a request to the
@@ -312,11 +312,11 @@ class ChatMessage(BaseModel):
     @field_validator("tool_calls")
     @classmethod
     def _calls(cls, value):
+        # Arguments that are not a JSON object's text are given to the template as {} (tool_calls.py).
         for j, call in enumerate(value or ()):
             function = call.get("function") if isinstance(call, dict) else None
             if (not isinstance(function, dict) or call.get("type", "function") != "function"
-                    or not isinstance(function.get("name"), str)
-                    or not isinstance(function.get("arguments"), (str, dict))):
+                    or not isinstance(function.get("name"), str)):
                 raise ValueError(f"tool_calls[{j}] must be {{'id': ..., 'type': 'function', 'function': "
                                  f"{{'name': ..., 'arguments': JSON text}}}}, got {call!r}")
         return value
@@ -325,10 +325,10 @@ class ChatMessage(BaseModel):
     def _has_content(self):
         # OpenAI allows null content only beside an assistant's tool_calls; a chat template
         # would otherwise fail on the missing key with a Jinja message.
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError(f"only an assistant's message has tool_calls, not a {self.role!r} one")
+        if self.role != "assistant":
+            self.tool_calls = None  # as vLLM: only an assistant's are read
         if self.content is None:
-            if not self.tool_calls:
+            if self.tool_calls is None:
                 raise ValueError(f"a {self.role!r} message needs content")
             self.content = ""  # as vLLM gives it to the template
         return self
@@ -351,6 +351,11 @@ class _ChatTemplate:
                                                         "continue_final_message", "self"}
         if reserved:
             raise UnsupportedFeature(f"chat_template_kwargs may not set {sorted(reserved)}: they are the request's own fields")
+        if self.tools is not None:
+            try:
+                check_tools(self.tools)
+            except ValueError as exc:
+                raise UnsupportedFeature(str(exc)) from None
 
     def template_variables(self) -> dict:
         """Tools are described to the model (Qwen's template writes them out) even where they are
@@ -358,7 +363,7 @@ class _ChatTemplate:
         variables = {**(self.chat_template_kwargs or {}), "add_generation_prompt": self.add_generation_prompt,
                      "continue_final_message": self.continue_final_message}
         if self.tools:
-            variables["tools"] = self.tools
+            variables["tools"] = normalized_tools(self.tools)
         return variables
 
 
@@ -391,13 +396,16 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplate):
 
     def check_supported(self) -> None:
         super().check_supported()
+        self.check_template_fields()  # the tools among them
         try:
-            if self.tools is not None:
-                check_tools(self.tools)
-            self.tool_choice_resolved()
+            named = self.tool_choice_resolved().mode == "named"
         except ValueError as exc:
             raise UnsupportedFeature(str(exc)) from None
-        self.check_template_fields()
+        constrained = [kind for kind in ("json", "regex", "choice") if (self.structured_outputs or {}).get(kind) is not None
+                       or getattr(self, f"guided_{kind}") is not None]
+        if named and constrained:  # as vLLM: the call's arguments are the constraint
+            raise UnsupportedFeature(f"tool_choice naming a function and structured output ({constrained[0]}) "
+                                     "cannot both be given: use one or the other")
 
     def tool_choice_resolved(self) -> ToolChoice:
         return resolve_tool_choice(self.tools, self.tool_choice)

@@ -11,11 +11,14 @@ reply is limited to that function's arguments).
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass
 
 from ..models.structured_output import check_spec
+
+log = logging.getLogger(__name__)
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 # A call between the tags, or one the reply ended inside (cut by max_tokens), as vLLM reads them.
@@ -54,6 +57,8 @@ def check_tools(tools) -> list[dict]:
     "description": ..., "parameters": {JSON schema}}}]. ValueError naming the entry at fault."""
     if not isinstance(tools, list):
         raise ValueError(f"tools must be a list of function tools, got {tools!r}")
+    if not tools:  # as OpenAI and vLLM
+        raise ValueError("tools must not be an empty array: give at least one tool or omit the field")
     names = set()
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
@@ -69,6 +74,20 @@ def check_tools(tools) -> list[dict]:
             raise ValueError(f"{where}.function.name {function['name']!r} is given twice")
         names.add(function["name"])
     return tools
+
+
+def normalized_tools(tools: list[dict]) -> list[dict]:
+    """The tools as the chat template is shown them: vLLM's fields, in its order, unset ones as
+    null and unknown ones dropped, so the prompt (and its token count) is vLLM's."""
+    shown = []
+    for tool in tools:
+        function = tool["function"]
+        described = {"name": function["name"], "description": function.get("description"),
+                     "parameters": function.get("parameters")}
+        if function.get("strict") is not None:
+            described["strict"] = function["strict"]
+        shown.append({"type": "function", "function": described})
+    return shown
 
 
 def resolve_tool_choice(tools: list[dict] | None, tool_choice) -> ToolChoice:
@@ -106,12 +125,25 @@ def tool_spec(choice: ToolChoice, tools: list[dict], parallel_tool_calls: bool |
     if choice.mode == "named":
         schema = _parameters(next(tool for tool in tools if tool["function"]["name"] == choice.name))
     elif choice.mode == "required":
-        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-            {"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
-                            "parameters": _parameters(tool)},
-             "required": ["name", "parameters"]} for tool in tools]}}
+        # Each tool's $defs move to the array's root, where its $refs ("#/$defs/...") point:
+        # pydantic's schemas of nested models have them.
+        definitions, alternatives = {}, []
+        for tool in tools:
+            parameters = dict(_parameters(tool))
+            defs = parameters.pop("$defs", {})
+            if not isinstance(defs, dict):
+                raise ValueError(f"tools: the $defs of {tool['function']['name']!r} must be an object")
+            for name, definition in defs.items():
+                if definitions.setdefault(name, definition) != definition:
+                    raise ValueError(f"tools: the definition {name!r} has several schemas, which is not supported")
+            alternatives.append({"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+                                                "parameters": parameters},
+                                 "required": ["name", "parameters"]})
+        schema = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
         if parallel_tool_calls is False:
             schema["maxItems"] = 1
+        if definitions:
+            schema["$defs"] = definitions
     else:
         return None
     return check_spec({"json": schema}, "tools", parse=False)
@@ -119,25 +151,37 @@ def tool_spec(choice: ToolChoice, tools: list[dict], parallel_tool_calls: bool |
 
 def template_messages(messages: list[dict]) -> list[dict]:
     """The messages as chat templates take them: an assistant's tool call arguments as an object
-    (OpenAI sends JSON text; Qwen's template writes them with tojson), as vLLM passes them."""
+    (OpenAI sends JSON text; Qwen's template writes them with tojson), as vLLM passes them. Ones
+    that are not a JSON object (a call cut short by max_tokens, say) are passed as {}, as vLLM
+    does: refusing them would refuse every later turn of the conversation."""
     out = []
-    for i, message in enumerate(messages):
+    for message in messages:
         calls = message.get("tool_calls")
         if message.get("role") == "assistant" and calls:
             message = {**message, "tool_calls": [dict(call) for call in calls]}
-            for j, call in enumerate(message["tool_calls"]):
-                arguments = call["function"]["arguments"]
-                if isinstance(arguments, str):
-                    try:
-                        arguments = json.loads(arguments)
-                    except ValueError:
-                        raise ValueError(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON: "
-                                         f"{arguments[:100]!r}") from None
-                call["function"] = {**call["function"], "arguments": arguments}
-        elif message.get("role") == "assistant" and calls is not None:
+            for call in message["tool_calls"]:
+                call["function"] = {**call["function"], "arguments": _arguments_object(call["function"])}
+        elif "tool_calls" in message:
             message = {key: value for key, value in message.items() if key != "tool_calls"}  # [] as none, as vLLM
         out.append(message)
     return out
+
+
+def _arguments_object(function: dict) -> dict:
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            log.warning("tool call %r: its arguments (%d characters) are not JSON; the template is given {}",
+                        function.get("name"), len(function["arguments"]))
+            return {}
+    if not isinstance(arguments, dict):
+        if arguments not in (None, ""):
+            log.warning("tool call %r: its arguments are a JSON %s, not an object; the template is given {}",
+                        function.get("name"), type(arguments).__name__)
+        return {}
+    return arguments
 
 
 def _call(entry, arguments_key: str) -> ToolCall | None:
@@ -146,29 +190,31 @@ def _call(entry, arguments_key: str) -> ToolCall | None:
     return ToolCall(entry["name"], json.dumps(entry[arguments_key], ensure_ascii=False), new_tool_call_id())
 
 
-def parse_reply(choice: ToolChoice, text: str) -> tuple[str | None, list[ToolCall]]:
-    """The reply's content and the calls in it. A reply that does not parse as the calls it
-    should hold (cut short by max_tokens, say) is content, with no calls, as vLLM returns it."""
+def parse_reply(choice: ToolChoice, text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
+    """The reply's content and the calls in it (the first only, when not `parallel`, as vLLM
+    filters them). A reply that does not parse as the calls it should hold (cut short by
+    max_tokens, say) is content, with no calls, as vLLM returns it."""
+    content, calls = _parsed(choice, text)
+    return content, calls if parallel else calls[:1]
+
+
+def _parsed(choice: ToolChoice, text: str) -> tuple[str | None, list[ToolCall]]:
     if choice.mode == "named":
         return "", [ToolCall(choice.name, text, new_tool_call_id())]
-    if choice.mode == "required":
-        try:
+    try:
+        if choice.mode == "required":
             entries = json.loads(text)
-        except ValueError:
+            calls = [_call(entry, "parameters") for entry in entries] if isinstance(entries, list) else [None]
+            return ("", calls) if calls and None not in calls else (text, [])
+        if choice.mode != "auto" or TOOL_CALL_START not in text:
             return text, []
-        calls = [_call(entry, "parameters") for entry in entries] if isinstance(entries, list) else [None]
-        return ("", calls) if calls and None not in calls else (text, [])
-    if choice.mode != "auto" or TOOL_CALL_START not in text:
+        calls = [_call(json.loads(between or unended), "arguments") for between, unended in _TOOL_CALL.findall(text)]
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's limit
         return text, []
-    calls = []
-    for between, unended in _TOOL_CALL.findall(text):
-        try:
-            calls.append(_call(json.loads(between or unended), "arguments"))
-        except ValueError:
-            return text, []
     if None in calls:
         return text, []
-    return text[: text.find(TOOL_CALL_START)] or None, calls
+    before = text[: text.find(TOOL_CALL_START)]
+    return (before if before.strip() else None), calls  # as vLLM: whitespace alone is no content
 
 
 def finish_reason(choice: ToolChoice, calls: list[ToolCall], reason: str | None) -> str | None:
@@ -185,8 +231,9 @@ class ToolCallStream:
     (holding back what may be the start of its tag) and sends the calls when the reply ends, as
     does "required"."""
 
-    def __init__(self, choice: ToolChoice):
+    def __init__(self, choice: ToolChoice, parallel: bool = True):
         self.choice = choice
+        self.parallel = parallel
         self.text = ""
         self._sent = 0  # how much of `text` went out as content (or as a named call's arguments)
         self._named_id: str | None = None
@@ -211,7 +258,7 @@ class ToolCallStream:
             deltas = self._named_arguments(final=True)
             self.calls = [ToolCall(self.choice.name, self.text, self._named_id)]
             return "", deltas
-        content, self.calls = parse_reply(self.choice, self.text)
+        content, self.calls = parse_reply(self.choice, self.text, self.parallel)
         if not self.calls:
             rest, self._sent = self.text[self._sent :], len(self.text)
             return rest, []

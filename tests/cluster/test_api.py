@@ -606,12 +606,11 @@ def test_bad_requests_get_openai_errors(server, body, status, fragment):
         ({"tools": [{"type": "retrieval"}]}, 400, "tools[0] must be"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"function": {"name": "g"}}},
          400, "does not match any of the specified tools"),
-        ({"messages": [{"role": "assistant", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
-         400, "messages[0].tool_calls[0].function.arguments is not JSON"),
-        ({"messages": [{"role": "user", "content": "hi", "tool_calls": [
-            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
-         400, "only an assistant's message has tool_calls"),
+        ({"tools": []}, 400, "tools must not be an empty array"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"function": {"name": "f"}},
+          "structured_outputs": {"regex": "a+"}}, 400, "cannot both be given"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {}}]}]},
+         400, "tool_calls[0] must be"),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]}, 400, "lone surrogate"),
         # Once a 400 that quoted the chat template's Jinja error.
         ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": None}]}, 400, "needs content"),

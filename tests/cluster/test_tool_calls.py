@@ -13,6 +13,7 @@ from oasiskv.cluster.tool_calls import (
     ToolCallStream,
     check_tools,
     finish_reason,
+    normalized_tools,
     parse_reply,
     resolve_tool_choice,
     template_messages,
@@ -114,6 +115,7 @@ def test_a_tool_choice_that_cannot_be_honoured_is_refused(tools, choice, fragmen
 
 @pytest.mark.parametrize("tools, fragment", [
     ({"name": "f"}, "tools must be a list"),
+    ([], "tools must not be an empty array"),
     ([{"type": "retrieval"}], r"tools\[0\] must be"),
     ([{"type": "function", "function": {"description": "x"}}], r"tools\[0\].function must be an object with a"),
     ([WEATHER, {"type": "function", "function": {"name": "f", "parameters": "x"}}], r"tools\[1\].function.parameters"),
@@ -131,5 +133,55 @@ def test_an_assistants_call_arguments_reach_the_template_as_an_object():
     assert shown[0]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
     assert call["function"]["arguments"] == '{"city": "Oslo"}'  # the request's own is left as it was
     assert "tool_calls" not in template_messages([{"role": "assistant", "content": "x", "tool_calls": []}])[0]
-    with pytest.raises(ValueError, match=r"messages\[0\].tool_calls\[0\].function.arguments is not JSON"):
-        template_messages([{"role": "assistant", "tool_calls": [{**call, "function": {"name": "f", "arguments": "{"}}]}])
+    # As vLLM: arguments that are not a JSON object's text (a call this server cut at max_tokens,
+    # say) are given as {}; refusing them refused every later turn of the conversation.
+    for arguments in ('{"city": "Par', "", None, "[1, 2]", "[" * 50_000, {"city": "Lima"}):
+        shown = template_messages([{"role": "assistant", "content": "", "tool_calls": [
+            {**call, "function": {"name": "get_weather", "arguments": arguments}}]}])
+        assert shown[0]["tool_calls"][0]["function"]["arguments"] == (arguments if isinstance(arguments, dict) else {})
+
+
+def test_the_template_is_shown_the_tools_as_vllm_shows_them():
+    """vLLM's fields in its order, unset ones null, unknown ones dropped: the prompt, and its
+    token count, are vLLM's."""
+    shown = normalized_tools([TIME, {"type": "function", "x": 1, "function": {
+        "strict": True, "parameters": {"type": "object"}, "name": "f", "extra": 2}}])
+    assert shown == [{"type": "function", "function": {"name": "get_time", "description": None, "parameters": None}},
+                     {"type": "function", "function": {"name": "f", "description": None,
+                                                       "parameters": {"type": "object"}, "strict": True}}]
+    assert [list(one["function"]) for one in shown] == [["name", "description", "parameters"],
+                                                        ["name", "description", "parameters", "strict"]]
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_and_odd_replies_stay_text():
+    auto = resolve_tool_choice(TOOLS, "auto")
+    two = CALLING + '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert [c.name for c in parse_reply(auto, two, parallel=False)[1]] == ["get_weather"]
+    assert streamed_first(auto, two) == ["get_weather"]
+    deep = "<tool_call>" + "[" * 5000  # nested past Python's limit: a 500 before
+    assert parse_reply(auto, deep) == (deep, [])
+    assert parse_reply(resolve_tool_choice(TOOLS, "required"), "[" * 5000) == ("[" * 5000, [])
+    assert parse_reply(auto, "\n" + CALLING[CALLING.index("<tool_call>"):])[0] is None  # whitespace is no content
+
+
+def streamed_first(choice, text: str) -> list[str]:
+    stream = ToolCallStream(choice, parallel=False)
+    stream.feed(text)
+    return [delta["function"]["name"] for delta in stream.finish()[1]]
+
+
+def test_required_moves_each_tools_definitions_to_the_root_where_their_refs_point(smollm2_llm):
+    """pydantic's schemas of nested models ($defs + $ref) were refused with a 400."""
+    located = {"type": "function", "function": {"name": "locate", "parameters": {
+        "type": "object", "properties": {"where": {"$ref": "#/$defs/Place"}}, "required": ["where"],
+        "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}}}
+    spec = tool_spec(resolve_tool_choice([located, TIME], "required"), [located, TIME], None)
+    assert set(spec["json"]["$defs"]) == {"Place"} and "$defs" not in spec["json"]["items"]["anyOf"][0]["properties"]
+    jsonschema.validate([{"name": "locate", "parameters": {"where": {"city": "Oslo"}}}], spec["json"])
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "locate", "parameters": {"where": {"town": "Oslo"}}}], spec["json"])
+    GrammarState(spec, smollm2_llm.tokenizer, smollm2_llm.model.config.vocab_size)
+    clashing = {"type": "function", "function": {"name": "g", "parameters": {
+        "type": "object", "$defs": {"Place": {"type": "string"}}}}}
+    with pytest.raises(ValueError, match="'Place' has several schemas"):
+        tool_spec(resolve_tool_choice([located, clashing], "required"), [located, clashing], None)
