@@ -208,15 +208,23 @@ class KVStoreServer:
                 log.warning("accepting a connection failed (%s); retrying", exc)
                 self._stopping.wait(0.1)
                 continue
-            with self._conn_lock:
-                if len(self._connections) >= self.config.max_connections:
-                    self.metrics.errors.labels("TooManyConnections").inc()
-                    self._refuse(sock)
-                    continue
-                conn = _Connection(sock, f"{addr[0]}:{addr[1]}")
-                self._connections.add(conn)
-                self.metrics.connections.set(len(self._connections))
-            self._spawn(self._serve_connection, f"kvstore-conn-{conn.peer}", conn)
+            try:
+                with self._conn_lock:
+                    if len(self._connections) >= self.config.max_connections:
+                        self.metrics.errors.labels("TooManyConnections").inc()
+                        self._refuse(sock)
+                        continue
+                    conn = _Connection(sock, f"{addr[0]}:{addr[1]}")
+                    self._connections.add(conn)
+                    self.metrics.connections.set(len(self._connections))
+                self._spawn(self._serve_connection, f"kvstore-conn-{conn.peer}", conn)
+            except Exception:  # no thread to be had, say: this connection is lost, not the store's accepting
+                log.exception("serving a new connection failed")
+                with self._conn_lock:
+                    for lost in [c for c in self._connections if c.sock is sock]:
+                        self._connections.discard(lost)
+                    self.metrics.connections.set(len(self._connections))
+                sock.close()
 
     def _refuse(self, sock: socket.socket) -> None:
         # Said, not just closed: a bare close read as "Connection reset by peer" on the client.
@@ -248,7 +256,11 @@ class KVStoreServer:
         # At least 10 ms: a tiny TTL (1e-6 s) made this loop spin, 30% of a core on an idle store.
         interval = max(0.01, min(1.0, self.config.ttl_s / 4))
         while not self._stopping.wait(interval):
-            expired = self.store.expire()
+            try:
+                expired = self.store.expire()
+            except Exception:  # the loop goes on: a store that stops expiring fills up for good
+                log.exception("expiring idle requests failed; retrying")
+                continue
             if expired:
                 log.info("expired %d idle requests", len(expired))
 

@@ -349,3 +349,22 @@ def test_clients_connections_are_kept_alive_so_a_dead_hosts_is_noticed(quick_ser
     assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
     assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 60
     sock.close()
+
+
+def test_a_connection_that_cannot_be_served_is_lost_alone(quick_server, monkeypatch):
+    """Any error serving a new connection (no thread to be had) ended the accept thread."""
+    spawn = quick_server._spawn
+    failures = [RuntimeError("can't start new thread")]
+
+    def spawn_once_failing(target, name, *args):
+        if name.startswith("kvstore-conn-") and failures:
+            raise failures.pop()
+        return spawn(target, name, *args)
+
+    monkeypatch.setattr(quick_server, "_spawn", spawn_once_failing)
+    lost = socket.create_connection(("127.0.0.1", quick_server.port), timeout=5)
+    assert lost.recv(1) == b""  # closed by the store
+    lost.close()
+    with connect(quick_server, transport="tcp", timeout=5) as c:
+        c.touch([])
+        assert open_connections(quick_server) == 1  # the lost one is not counted
