@@ -145,7 +145,9 @@ def test_crd_schema_catches_a_misspelt_field(rendered):
 def test_values_schema_rejects_bad_values():
     for bad in ("workers.decode.replicas=0", "serve.mode=fast", "serve.prefillEngine=sglang", "image.device=tpu",
                 "serve.device=gpu",
-                "serve.port=6379", "serve.shutdownGraceSeconds=0",
+                # Ray's head binds these (GCS, client server, worker processes, dashboard agent).
+                "serve.port=6379", "serve.port=10001", "serve.port=15000", "serve.port=52365",
+                "serve.shutdownGraceSeconds=0",
                 "networkPolicy.apiFrom[0].podSelectr.a=b"):
         result = helm_template(None, "--set", bad, check=False)
         assert result.returncode != 0 and "schema" in result.stderr, (bad, result.stderr)
@@ -436,6 +438,16 @@ def test_the_helm_test_pod_pulls_like_the_cluster_and_extra_args_may_be_numbers(
     test_pod = next(d for d in docs if d["kind"] == "Pod" and d["metadata"]["name"].endswith("-test-api"))
     assert test_pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     assert head_args(one(docs, "RayCluster"))["--store-ttl-s"] == "300"
+
+
+def test_whole_numbers_in_extra_args_from_a_values_file_reach_serve_as_integers(tmp_path):
+    """A values file's numbers are float64 to Helm: 1000000 was passed as "1e+06", which
+    `oasiskv serve --max-queued-requests` refused, and the head crash-looped."""
+    values = tmp_path / "values.yaml"
+    values.write_text('serve:\n  extraArgs: ["--max-queued-requests", 1000000, "--store-ttl-s", 300, '
+                      '"--draft-temperature", 0.5]\n')
+    args = head_args(one([d for d in yaml.safe_load_all(helm_template(values).stdout) if d], "RayCluster"))
+    assert (args["--max-queued-requests"], args["--store-ttl-s"], args["--draft-temperature"]) == ("1000000", "300", "0.5")
 
 
 def test_store_arenas_that_outgrow_their_pods_memory_limit_are_refused():
