@@ -669,3 +669,15 @@ def test_vllm_prefill_on_the_cuda_image_is_refused():
         assert result.returncode != 0 and "serve.prefillEngine=vllm needs the CPU image" in result.stderr, (sets, result.stderr)
     assert helm_template(gpu_values, "--set", "serve.prefillEngine=oasiskv").returncode == 0
     assert helm_template(None, "--set", "serve.prefillEngine=vllm").returncode == 0
+
+
+def test_only_store_pods_turn_off_rays_memory_monitor(rendered):
+    """It kills a worker when its node passes 95% of its memory, which a store pod's prefaulted
+    arenas fill by design: the store would restart empty, its requests' KV lost."""
+    name, docs = rendered
+    cluster = one(docs, "RayCluster")
+    pods = {g["groupName"]: g["template"] for g in cluster["spec"]["workerGroupSpecs"]}
+    pods["head"] = cluster["spec"]["headGroupSpec"]["template"]
+    for group, pod in pods.items():
+        env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+        assert env.get("RAY_memory_monitor_refresh_ms") == ("0" if group == "store" else None), (name, group)

@@ -121,6 +121,13 @@ app.kubernetes.io/part-of: oasiskv
   value: {{ ternary .Values.serve.model "" (and .Values.modelCache.pullAtStart (ne $.role "store")) | quote }}
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
+{{- if eq $.role "store" }}
+{{- /* Ray's memory monitor kills a worker when its node passes 95% of its memory; a store pod's
+     prefaulted arenas fill it by design (checkStoreMemory leaves 1 GiB), and the store killed
+     would restart empty, its requests' KV lost. The kernel's limit still holds. */}}
+- name: RAY_memory_monitor_refresh_ms
+  value: "0"
+{{- end }}
 - name: RAY_AUTH_MODE
   value: {{ ternary "token" "disabled" .Values.rayAuth.enabled }}
 {{- if .Values.rayAuth.enabled }}
