@@ -64,6 +64,9 @@ class ServingMetrics:
         self.store_stats: dict[str, dict] = {}  # store name -> last stats()
         self.health: dict[tuple[str, str], bool] = {}  # (role, worker) -> healthy
         self.nixl_rate: dict[str, float] = {}
+        # Workers and stores whose last poll went unanswered: their usage gauges are left out (a
+        # dead worker's last rate and pool usage stood for ever); their counters stay.
+        self.unanswered: set[str] = set()
         r.register(_PolledCollector(self))
 
 
@@ -94,7 +97,7 @@ class _PolledCollector:
             for worker, stats in m.worker_stats.items():
                 # A ratio of nothing yet (no sparse step, no draft) is left out: a panel shows no
                 # data, where 0 read as a recall or an acceptance of 0%.
-                if stats.get(key) is not None:
+                if stats.get(key) is not None and worker not in m.unanswered:
                     family.add_metric([worker], float(stats[key]))
             yield family
         rate = GaugeMetricFamily("oasiskv_nixl_bytes_per_second",
@@ -106,7 +109,8 @@ class _PolledCollector:
         used = GaugeMetricFamily("oasiskv_store_used_bytes", "KV store bytes in use", labels=["store"])
         capacity = GaugeMetricFamily("oasiskv_store_capacity_bytes", "KV store capacity", labels=["store"])
         for store, stats in m.store_stats.items():
-            used.add_metric([store], float(stats.get("used_bytes", 0)))
+            if store not in m.unanswered:
+                used.add_metric([store], float(stats.get("used_bytes", 0)))
             capacity.add_metric([store], float(stats.get("capacity_bytes", 0)))
         yield used
         yield capacity

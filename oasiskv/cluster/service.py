@@ -24,6 +24,10 @@ from .router import Overloaded, Router, StoresFull
 
 log = logging.getLogger("oasiskv.cluster")
 
+# How long an ended request's room in the router waits for its KV to leave (the decode worker's
+# abort, the store's free): as long as the abort may take to answer.
+FREE_WAIT_S = 60.0
+
 
 @dataclass
 class Event:
@@ -118,6 +122,10 @@ class ClusterService:
         m = self.metrics
         for slot in self.handles.decode:
             stats = await self._poll(slot, slot.handle.stats)
+            self._answered(slot.name, stats is not None)
+            if stats is None:
+                m.nixl_rate.pop(slot.name, None)
+                self._last_bytes.pop(slot.name, None)
             if stats is not None:
                 slot.healthy = bool(stats["healthy"])  # the worker's own word: its engine is broken
                 if slot.healthy:
@@ -139,6 +147,7 @@ class ClusterService:
             m.health[("decode", slot.name)] = slot.healthy
         for slot in self.handles.stores:
             stats = await self._poll(slot, slot.handle.stats, group=None)
+            self._answered(slot.name, stats is not None)
             if stats is not None:
                 m.store_stats[slot.name] = stats
                 address = stats.get("address")
@@ -151,6 +160,9 @@ class ClusterService:
         for slot in self.handles.prefill:
             await self._poll(slot, slot.handle.ready)
             m.health[("prefill", slot.name)] = slot.healthy
+
+    def _answered(self, name: str, answered: bool) -> None:
+        (self.metrics.unanswered.discard if answered else self.metrics.unanswered.add)(name)
 
     def _background(self, coroutine) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -403,9 +415,13 @@ class ClusterService:
                 (assignment.decode if decode_started else assignment.prefill).healthy = False
             raise
         finally:
+            freed = None
             if status != "success":
-                await self._cancel(assignment, prefill_ref, prefilled, decode_started and not worker_failed)
-            self._release(assignment)
+                freed = await self._cancel(assignment, prefill_ref, prefilled, decode_started and not worker_failed)
+            if freed is None:
+                self._release(assignment)
+            else:  # its store memory and decode rows are counted until they are given back
+                self._background(self._release_after(freed, assignment))
             if running:
                 m.running.dec()
             m.requests.labels(status=status).inc()
@@ -427,23 +443,34 @@ class ClusterService:
                                     self.eos_token_ids)
         return "" if reason else text
 
-    async def _cancel(self, assignment, prefill_ref, prefilled: bool, decode_started: bool) -> None:
+    async def _cancel(self, assignment, prefill_ref, prefilled: bool, decode_started: bool) -> asyncio.Future | None:
         """Free the request's KV wherever it is (decode pool and store, or store only). The store
-        is told directly, not through the prefill worker: that one may have died with the request."""
+        is told directly, not through the prefill worker: that one may have died with the request.
+        Returns what ends when it is freed (None: nothing to wait for). The router counted it
+        as gone at once, and let the next request into a store that still held it (StoreFull)."""
         if self.cluster_down:  # nothing left to free, and an actor call would start a new local Ray
-            return
+            return None
         try:
             if decode_started:
-                self._background(self._abort_or_free(assignment))
-            elif prefilled:
-                assignment.store.handle.free.remote(assignment.request_id)
-            elif prefill_ref is not None:
+                return asyncio.ensure_future(self._abort_or_free(assignment))
+            if prefilled:
+                return asyncio.ensure_future(_await(assignment.store.handle.free.remote(assignment.request_id)))
+            if prefill_ref is not None:
                 # Still prefilling, or queued for it: stopped at its next chunk (on the health
                 # group's thread, not behind the prefills), and freed once the worker lets go.
-                asyncio.get_running_loop().create_task(self._free_after(prefill_ref, assignment))
+                freed = asyncio.ensure_future(self._free_after(prefill_ref, assignment))
                 assignment.prefill.handle.cancel.options(concurrency_group=HEALTH_GROUP).remote(assignment.request_id)
+                return freed
         except Exception:
             pass
+        return None
+
+    async def _release_after(self, freed: asyncio.Future, assignment) -> None:
+        """The assignment's room goes back once its KV has left (at most FREE_WAIT_S: a worker or
+        store that does not answer gets it back then, as its TTL frees it in the end)."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(freed), FREE_WAIT_S)
+        self._release(assignment)
 
     async def _abort_or_free(self, assignment) -> None:
         """Abort the request in its decode worker, which frees its KV there and in its store; a
@@ -463,7 +490,7 @@ class ClusterService:
         with contextlib.suppress(Exception):
             await prefill_ref
         with contextlib.suppress(Exception):
-            assignment.store.handle.free.remote(assignment.request_id)
+            await assignment.store.handle.free.remote(assignment.request_id)
 
 
 async def _await(ref):
@@ -492,8 +519,11 @@ class _Deadline:
         if task in done:
             return task.result()
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        # Waited on, not awaited: awaiting it, a cancel of our own (the client hung up) in the
+        # turns it takes to end was taken for its and swallowed, and the request waited on.
+        await asyncio.wait({task})
+        if not task.cancelled():
+            task.exception()  # retrieved: its late end is not ours
         if self.stopping is not None and self.stopping.done():
             raise ShuttingDown("the server is shutting down")
         self.expired = time.monotonic() >= self.at

@@ -236,3 +236,27 @@ def test_a_poll_that_will_not_stop_is_left_behind_after_the_timeout(caplog):
 
     assert 0.9 < asyncio.run(run()) < 3
     assert "the health poll did not stop within 1 s" in caplog.text
+
+
+def test_a_worker_that_stops_answering_leaves_the_usage_gauges_and_keeps_its_counters():
+    """Its last read rate, pool usage and store bytes stood for ever after it died."""
+    service, _, decode, store = make_service()
+    decode.handle.stats.answer = {"healthy": True, "bytes_fetched": 10, "pool_usage": 0.5}
+    store.handle.stats.answer = {"num_requests": 1, "used_bytes": 123, "capacity_bytes": 1000}
+    for _ in range(2):
+        poll(service)
+    registry = service.metrics.registry
+    worker = {"worker": "decode-0"}
+    assert registry.get_sample_value("oasiskv_nixl_bytes_per_second", worker) is not None
+    assert registry.get_sample_value("oasiskv_decode_kv_pool_usage_ratio", worker) == 0.5
+    assert registry.get_sample_value("oasiskv_store_used_bytes", {"store": "store-0"}) == 123
+    decode.handle.stats.behaviour = store.handle.stats.behaviour = "raise"
+    poll(service)
+    assert registry.get_sample_value("oasiskv_nixl_bytes_per_second", worker) is None
+    assert registry.get_sample_value("oasiskv_decode_kv_pool_usage_ratio", worker) is None
+    assert registry.get_sample_value("oasiskv_store_used_bytes", {"store": "store-0"}) is None
+    assert registry.get_sample_value("oasiskv_decode_bytes_fetched_total", worker) == 10  # a counter stays
+    decode.handle.stats.behaviour = store.handle.stats.behaviour = "answer"
+    poll(service)
+    assert registry.get_sample_value("oasiskv_decode_kv_pool_usage_ratio", worker) == 0.5
+    assert registry.get_sample_value("oasiskv_store_used_bytes", {"store": "store-0"}) == 123

@@ -218,3 +218,102 @@ def test_a_reservation_covers_what_the_store_takes_for_the_whole_request(smollm2
     store.allocate("r", layout, prompt_tokens)
     store.extend("r", prompt_tokens + max_tokens)  # what the write-backs grow it to, at most
     assert store.stats().used_bytes <= reserved
+
+
+def test_a_hang_up_while_the_wait_ends_its_recheck_is_not_lost():
+    """The wait re-checks each second: it cancels its inner wait and waits for that to end. A
+    hang-up in those turns was taken for the inner wait's own cancel and swallowed: the request
+    went on waiting, and was prefilled and decoded for nobody once room came."""
+    async def run():
+        ending = asyncio.Event()
+
+        async def slow_to_end():
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                ending.set()
+                await asyncio.sleep(0.2)  # turns it takes to end (a Ray call's cancel, say)
+                raise
+
+        deadline = _Deadline(30)
+        waiter = asyncio.ensure_future(deadline.wait(slow_to_end(), at_most=0.05))
+        await ending.wait()
+        waiter.cancel()  # the client hangs up now
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(waiter, 5)
+
+    asyncio.run(run())
+
+
+class _Ref:
+    """Stands in for a Ray ObjectRef: awaitable any number of times, set by the test."""
+
+    def __init__(self):
+        self.error, self.done = None, asyncio.Event()
+
+    def set(self, error=None):
+        self.error = error
+        self.done.set()
+
+    def __await__(self):
+        return self._get().__await__()
+
+    async def _get(self):
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _Method:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        return self.fn(*args)
+
+
+def test_a_hung_up_requests_room_goes_back_once_its_kv_has_left_the_store():
+    """A hang-up during the prefill gave the request's room back at once, while its KV stayed in
+    the store until the prefill stopped at its next chunk: the request waiting for that room was
+    routed into a store that still held it (StoreFull, a 503 for a request that did nothing)."""
+    from types import SimpleNamespace
+
+    from oasiskv.cluster.api import _Merged
+
+    in_store, prefills = {}, {}
+
+    def prefill(request_id, ids, *_):
+        in_store[request_id] = len(ids)  # one byte a token
+        prefills[request_id] = _Ref()
+        return prefills[request_id]
+
+    async def free(request_id):
+        in_store.pop(request_id, None)
+
+    tokenizer = SimpleNamespace(eos_token_ids=(), vocab_size=1000, decode=lambda ids, skip_special_tokens=True: "")
+    prefill_actor = SimpleNamespace(prefill=_Method(prefill), cancel=_Method(lambda request_id: None))
+    handles = ClusterHandles([WorkerSlot("prefill-0", prefill_actor)],
+                             [WorkerSlot("decode-0", SimpleNamespace(), capacity=10**6)],
+                             [WorkerSlot("store-0", SimpleNamespace(free=_Method(free)), capacity=2000, address="s:1")])
+    service = ClusterService(ServeConfig(), handles, tokenizer, kv_bytes_per_token=1, max_model_len=8192)
+    params = SamplingParams(max_tokens=100)
+
+    async def run():
+        first = _Merged([lambda on_accepted: service.generate("a", [1] * 1500, params, on_accepted=on_accepted)])
+        await settle()
+        second = _Merged([lambda on_accepted: service.generate("b", [1] * 1500, params, on_accepted=on_accepted)])
+        await settle()
+        assert service.queued == 1
+        await first.shut()  # a's client hangs up while it prefills
+        await settle()
+        assert "b" not in in_store and service.queued == 1  # a's KV is still there
+        prefills["a"].set(RuntimeError("prefill cancelled"))  # it stops at its next chunk, and is freed
+        for _ in range(50):
+            await settle()
+        assert set(in_store) == {"b"} and service.queued == 0
+        await second.shut()
+
+    asyncio.run(run())
