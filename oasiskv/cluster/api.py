@@ -48,8 +48,8 @@ from .protocol import (
     now,
 )
 from .router import Overloaded, TooLarge
-from .tool_calls import ToolCallStream, ToolChoice, finish_reason, parse_reply, template_messages
 from .service import ClusterService, ShuttingDown
+from .tool_calls import ToolCallStream, ToolChoice, finish_reason, parse_reply, template_messages
 
 log = logging.getLogger("oasiskv.api")
 
