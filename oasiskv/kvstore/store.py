@@ -453,7 +453,9 @@ class KVStore:
                 for request in [*self._held.values(), *self._requests.values()]:
                     request.holders -= gone
                     self._release_if_unused(request)
-            overdue = [r for r in self._held.values() if r.hold_deadline < now]
+            # Holders cleared: a request still pinned then stays held until it is unpinned, and
+            # was warned about and counted again at every tick.
+            overdue = [r for r in self._held.values() if r.hold_deadline < now and r.holders]
             for request in overdue:
                 log.warning("request %r: NIXL clients %s did not drop its block table within %.0f s of its free; "
                             "reusing its memory", request.request_id, sorted(request.holders), self.hold_s)

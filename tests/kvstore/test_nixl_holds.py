@@ -338,3 +338,23 @@ def test_a_write_through_the_table_of_an_id_freed_and_allocated_again_is_refused
         with pytest.raises(UnknownRequest, match="freed and allocated again"):
             client.write_blocks(request, 0, 0, 1, filled(3.0)).wait()
         assert torch.equal(read_unit(other, request), filled(2.0))
+
+
+def test_an_expired_hold_on_a_pinned_request_is_counted_once():
+    """Its holders are dropped when the hold expires, but a read still pinning it keeps it held
+    until the read ends: it was warned about and counted as hold_expired at every TTL tick."""
+    from oasiskv.kvstore import KVStore
+
+    now = [0.0]
+    store = KVStore(4 << 20, prefault=False, clock=lambda: now[0])
+    store.allocate("pinned", LAYOUT, TOKENS)
+    store.describe("pinned", holder="reader")
+    with store.pinned("pinned"):
+        store.free("pinned")
+        for _ in range(3):
+            now[0] += store.hold_s + 1
+            store.expire()
+        assert store.stats().extra["held_requests"] == 1
+    assert store.stats().extra["held_requests"] == 0 and store.stats().used_bytes == 0
+    assert store.metrics.registry.get_sample_value("oasiskv_kvstore_requests_events_total",
+                                                   {"event": "hold_expired"}) == 1.0
